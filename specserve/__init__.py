@@ -1,0 +1,14 @@
+"""specserve: an LLM serving engine built around exact, adaptive speculative decoding."""
+
+from specserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # lazy: importing the package must not load torch models
+    if name == "LLM":
+        from specserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,173 @@
+"""`specserve generate | serve | bench | env` -- user-facing errors print one line, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from specserve.config import SpecserveError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine and speculative flags, vLLM-style names (shared by generate, serve and bench)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None,
+                   help="HF dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", choices=["auto", "cuda", "rocm", "cpu"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV cache size: bytes (> 1) or a fraction of free memory (<= 1)")
+    g.add_argument("--num-kv-blocks", dest="num_blocks", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-model", default=None, help="draft checkpoint (HF dir or .gguf)")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, help="k: drafts per step (max)")
+    s.add_argument("--speculative-method", default=None, choices=["draft", "ngram", "layer_skip", "eagle"])
+    s.add_argument("--speculative-config", default=None,
+                   help='vLLM V1 JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    s.add_argument("--draft-layers", type=int, default=None, help="layer_skip: target layers the draft uses")
+    s.add_argument("--prompt-lookup-min", type=int, default=None)
+    s.add_argument("--prompt-lookup-max", type=int, default=None)
+    s.add_argument("--speculative-adaptive", dest="speculative_adaptive", action="store_true", default=True,
+                   help="choose k per step from measured acceptance and cost (default)")
+    s.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false")
+
+
+ENGINE_KEYS = ("dtype", "device", "max_model_len", "block_size", "kv_cache_memory", "num_blocks",
+               "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "speculative_model",
+               "num_speculative_tokens", "speculative_method", "speculative_config", "draft_layers",
+               "prompt_lookup_min", "prompt_lookup_max", "speculative_adaptive")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+
+
+def model_arg(args: argparse.Namespace) -> str | None:
+    return getattr(args, "model_pos", None) or getattr(args, "model_flag", None)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    llm = LLM(model_arg(args), **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    prompts = args.prompt or ["Hello"]
+    t0 = time.perf_counter()
+    if args.chat:
+        ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        outs = llm.generate(None, params, prompt_token_ids=ids)
+    else:
+        outs = llm.generate(prompts, params)
+    secs = time.perf_counter() - t0
+    n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    if args.json:
+        results = [{
+            "text": o.outputs[0].text,
+            "token_ids": o.outputs[0].token_ids,
+            "num_prompt_tokens": len(o.prompt_token_ids),
+            "num_generated_tokens": len(o.outputs[0].token_ids),
+            "finish_reason": o.outputs[0].finish_reason,
+            "speculative": o.metrics.get("speculative"),
+        } for o in outs]
+        if len(results) == 1:
+            obj: dict[str, Any] = dict(results[0])
+        else:
+            obj = {"results": results, "num_prompt_tokens": sum(r["num_prompt_tokens"] for r in results),
+                   "num_generated_tokens": n_gen, "speculative": llm.get_metrics()["speculative"]}
+        obj["seconds"] = round(secs, 4)
+        obj["tokens_per_s"] = round(n_gen / secs, 2) if secs > 0 else 0.0
+        print(json.dumps(obj))
+    else:
+        for o in outs:
+            print(o.outputs[0].text)
+        print(f"[{n_gen} tokens in {secs:.2f}s, {n_gen / max(secs, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from specserve import platform as plat
+
+    try:
+        p = plat.detect(args.device)
+        info = p.describe()
+    except SpecserveError as e:
+        info = {"error": str(e)}
+    import torch
+
+    info["cuda_available"] = str(torch.cuda.is_available())
+    warning = plat.rocm_warning()
+    if warning:
+        info["warning"] = warning
+    for k, v in info.items():
+        print(f"{k:20s} {v}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specserve.server.api import run_server
+
+    return run_server(model_arg(args), engine_kwargs(args), args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-queue", type=int, default=256)
+    s.set_defaults(func=cmd_serve)
+
+    e = sub.add_parser("env", help="print platform, versions and chosen backends")
+    e.add_argument("--device", default="auto", choices=["auto", "cuda", "rocm", "cpu"])
+    e.set_defaults(func=cmd_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except SpecserveError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"specserve: invalid argument: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Frozen configuration dataclasses. All validation lives here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+class SpecserveError(Exception):
+    """A user-facing error: the CLI prints its message without a traceback."""
+
+
+class CheckpointError(SpecserveError):
+    """A checkpoint could not be read (names the file and the problem)."""
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture hyper-parameters of a Llama-family decoder (Llama, Qwen2, Mistral)."""
+
+    architecture: str  # "llama" | "qwen2" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    sliding_window: int | None = None  # Mistral; informational (we attend to the full context)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({self.num_heads}) is not a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise CheckpointError(f"invalid {name}={getattr(self, name)} in model config")
+
+    def with_layers(self, num_layers: int) -> ModelArch:
+        return replace(self, num_layers=num_layers)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # path to an HF dir or a .gguf file; None = embedded demo model
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cuda | rocm | cpu
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cuda", "rocm", "cpu"):
+            raise ValueError(f"device must be auto, cuda, rocm or cpu, got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes (> 1) or a fraction of available memory (<= 1). None: a default for the platform.
+    kv_cache_memory: float | None = None
+    num_blocks: int | None = None  # explicit override (tests)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive (bytes, or a fraction <= 1)")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+SPEC_METHODS = ("draft", "ngram", "layer_skip", "eagle")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str | None = None  # None = speculation off
+    model: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    draft_layers: int | None = None  # layer_skip: how many target layers the draft uses
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1 when speculation is on")
+        if self.method in ("draft", "eagle") and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs a speculative model")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError("draft_layers must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @staticmethod
+    def from_args(
+        speculative_model: str | None = None,
+        num_speculative_tokens: int | None = None,
+        speculative_method: str | None = None,
+        speculative_config: str | dict[str, Any] | None = None,
+        draft_layers: int | None = None,
+        prompt_lookup_min: int | None = None,
+        prompt_lookup_max: int | None = None,
+        speculative_adaptive: bool = True,
+    ) -> SpeculativeConfig:
+        """Merge vLLM V0-style flags and a V1-style ``--speculative-config`` JSON into one config."""
+        cfg: dict[str, Any] = {}
+        if speculative_config:
+            if isinstance(speculative_config, str):
+                try:
+                    cfg = json.loads(speculative_config)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+            else:
+                cfg = dict(speculative_config)
+            if not isinstance(cfg, dict):
+                raise ValueError("--speculative-config must be a JSON object")
+            known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
+                     "prompt_lookup_max", "draft_layers", "adaptive"}
+            unknown = set(cfg) - known
+            if unknown:
+                raise ValueError(f"unknown --speculative-config keys: {sorted(unknown)}")
+        method = speculative_method or cfg.get("method")
+        model = speculative_model or cfg.get("model")
+        k = num_speculative_tokens if num_speculative_tokens is not None else cfg.get("num_speculative_tokens")
+        if method == "[ngram]":  # vLLM V0 spelling: --speculative-model "[ngram]"
+            method, model = "ngram", None
+        if model == "[ngram]":
+            method, model = "ngram", None
+        if method is None and model:
+            method = "draft"
+        if method is None:
+            return SpeculativeConfig()
+        if k is None:
+            k = 5 if method == "ngram" else 4
+        lookup_min = prompt_lookup_min if prompt_lookup_min is not None else cfg.get("prompt_lookup_min", 1)
+        lookup_max = prompt_lookup_max if prompt_lookup_max is not None else cfg.get("prompt_lookup_max", 4)
+        return SpeculativeConfig(
+            method=method,
+            model=model,
+            num_speculative_tokens=int(k),
+            prompt_lookup_min=int(lookup_min),
+            prompt_lookup_max=int(lookup_max),
+            draft_layers=draft_layers if draft_layers is not None else cfg.get("draft_layers"),
+            adaptive=bool(cfg.get("adaptive", speculative_adaptive)),
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    @staticmethod
+    def from_kwargs(model: str | None = None, **kw: Any) -> EngineConfig:
+        """Build from flat keyword arguments (the names of the CLI flags, vLLM-style)."""
+        def take(*names: str) -> dict[str, Any]:
+            return {n: kw.pop(n) for n in names if n in kw and kw[n] is not None}
+
+        model_cfg = ModelConfig(model=model, **take("dtype", "device", "max_model_len", "seed"))
+        cache_kw = take("block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching")
+        sched_kw = take("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
+        spec = SpeculativeConfig.from_args(
+            speculative_model=kw.pop("speculative_model", None),
+            num_speculative_tokens=kw.pop("num_speculative_tokens", None),
+            speculative_method=kw.pop("speculative_method", None),
+            speculative_config=kw.pop("speculative_config", None),
+            draft_layers=kw.pop("draft_layers", None),
+            prompt_lookup_min=kw.pop("prompt_lookup_min", None),
+            prompt_lookup_max=kw.pop("prompt_lookup_max", None),
+            speculative_adaptive=kw.pop("speculative_adaptive", True),
+        )
+        if kw:
+            raise TypeError(f"unknown engine arguments: {sorted(kw)}")
+        return EngineConfig(model_cfg, CacheConfig(**cache_kw), SchedulerConfig(**sched_kw), spec)

@@ -1,0 +1,203 @@
+"""Engine: add_request / abort / step. A step is schedule -> execute -> update, nothing else."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from specserve.config import EngineConfig
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.stop import append_checked
+from specserve.kv.kv_cache_manager import KVCacheManager
+from specserve.model.loader import load_checkpoint
+from specserve.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from specserve.platform import Platform, configure_threads, detect
+from specserve.request import Request, RequestStatus, SpecStats
+from specserve.sampling_params import SamplingParams
+from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from specserve.worker.model_runner import ModelRunner
+
+log = logging.getLogger("specserve")
+
+
+@dataclass
+class _Group:
+    """A user request: n >= 1 sampled completions of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    completions: list[CompletionOutput]
+    detoks: list[IncrementalDetokenizer]
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+
+@dataclass
+class EngineStats:
+    num_requests: int = 0
+    num_finished: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, platform: Platform | None = None) -> None:
+        configure_threads()
+        self.config = config
+        self.platform = platform or detect(config.model.device)
+        target = load_checkpoint(config.model.model)
+        self.tokenizer = Tokenizer.from_checkpoint(config.model.model)
+        self.runner = ModelRunner(config, self.platform, target)
+        self.max_model_len = self.runner.max_model_len
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        spec = config.speculative
+        writes_kv = bool(self.runner.proposer and self.runner.proposer.writes_kv)
+        lookahead = spec.num_speculative_tokens if writes_kv else 0
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, lookahead)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(target.arch.eos_token_ids)
+        self.model_name = target.name
+        self.groups: dict[str, _Group] = {}
+        self._child_group: dict[str, tuple[_Group, int]] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int] | None, params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None, speculative: bool = True) -> str:
+        """Validate and queue. Raises ValueError (a 400 for the server) for bad input."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.groups:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            elif prompt is not None:
+                prompt_token_ids = list(prompt)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.runner.arch.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        max_tokens = params.check_context(len(prompt_token_ids), self.max_model_len)
+        if self.kv.blocks_needed(len(prompt_token_ids) + max_tokens) > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt + max_tokens ({len(prompt_token_ids) + max_tokens} tokens) can never fit "
+                             f"in the KV cache ({self.kv.pool.num_blocks * self.kv.block_size} tokens)")
+        group = _Group(request_id, text, list(prompt_token_ids), [], [], [])
+        for i in range(params.n):
+            child_params = params if params.n == 1 else replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(child_id, list(prompt_token_ids), child_params, max_tokens, self.eos_token_ids,
+                          text, spec_enabled=speculative, group_id=request_id if params.n > 1 else None)
+            group.children.append(req)
+            group.completions.append(CompletionOutput(i, "", []))
+            group.detoks.append(self.tokenizer.incremental(prompt_token_ids, params.skip_special_tokens))
+            self._child_group[child_id] = (group, i)
+            self.scheduler.add_request(req)
+        self.groups[request_id] = group
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += len(prompt_token_ids)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request now; its KV blocks are free when this returns."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for req, comp in zip(group.children, group.completions):
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            comp.finish_reason = comp.finish_reason or "abort"
+            self._child_group.pop(req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        return self._update(sched_out, runner_out)
+
+    def _update(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
+        self.stats.num_steps += 1
+        touched: dict[str, _Group] = {}
+        for row in so.rows:
+            req = self.scheduler.requests.get(row.req_id)
+            if req is None:
+                continue
+            req.num_computed_tokens += row.num_tokens
+            req.spec_token_ids = []
+            emitted = ro.sampled.get(row.req_id)
+            if emitted is None:
+                continue
+            # NOTE: rejected drafts' KV is stale; moving the counter back is the whole rollback.
+            num_accepted = len(emitted) - 1
+            req.num_computed_tokens -= row.num_spec_tokens - num_accepted
+            req.spec.record(row.num_spec_tokens, num_accepted)
+            self.stats.spec.record(row.num_spec_tokens, num_accepted)
+            group, idx = self._child_group[row.req_id]
+            comp = group.completions[idx]
+            before = len(comp.token_ids)
+            status = append_checked(req, emitted, group.detoks[idx], comp, ro.logprobs.get(row.req_id))
+            self.stats.num_generated_tokens += len(comp.token_ids) - before
+            group.first_token = group.first_token or time.monotonic()
+            touched[group.request_id] = group
+            if status is not None:
+                self.scheduler.finish(req, status)
+            else:
+                self.kv.cache_full_blocks(req)
+                req.spec_token_ids = ro.spec_token_ids.get(row.req_id, [])
+        return [self._output(g) for g in touched.values()]
+
+    def _output(self, group: _Group) -> RequestOutput:
+        finished = group.finished
+        if finished:
+            self.groups.pop(group.request_id, None)
+            for req in group.children:
+                self._child_group.pop(req.request_id, None)
+            self.stats.num_finished += 1
+        spec = SpecStats()
+        for req in group.children:
+            spec.merge(req.spec)
+        now = time.monotonic()
+        metrics: dict[str, Any] = {
+            "speculative": spec.as_dict(),
+            "ttft_s": (group.first_token - group.arrival) if group.first_token else None,
+            "elapsed_s": now - group.arrival,
+            "num_preemptions": sum(r.num_preemptions for r in group.children),
+        }
+        outs = [replace(c, token_ids=list(c.token_ids), logprobs=list(c.logprobs) if c.logprobs else c.logprobs)
+                for c in group.completions]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics)
+
+    # -- introspection --------------------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, Any]:
+        kv = self.kv
+        return {
+            "num_requests": self.stats.num_requests,
+            "num_finished": self.stats.num_finished,
+            "num_steps": self.stats.num_steps,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_usage": kv.usage(),
+            "kv_num_blocks": kv.pool.num_blocks,
+            "kv_free_blocks": kv.num_free_blocks,
+            "prefix_cache_queries": kv.prefix_stats.queries,
+            "prefix_cache_hits": kv.prefix_stats.hits,
+            "speculative": self.stats.spec.as_dict(),
+            "speculative_k": self.runner.controller.last_k if self.runner.controller else 0,
+        }

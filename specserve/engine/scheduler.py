@@ -1,0 +1,151 @@
+"""Token-budget continuous batching with chunked prefill, draft lookahead and preemption by recompute.
+
+There are no phases: each step gives every running request ``num_tokens + len(spec) - num_computed`` new
+tokens (the rest of its prompt, its last sampled token, its drafts) as far as the token budget allows, then
+admits waiting requests FCFS. When blocks run out, the most recently admitted running request is preempted:
+its blocks are freed and ``num_computed_tokens`` goes back to 0 (recompute on resume).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from specserve.config import SchedulerConfig
+from specserve.kv.kv_cache_manager import KVCacheManager
+from specserve.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
+from specserve.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 num_lookahead_tokens: int = 0) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens  # slots the draft model writes ahead
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._unseen: set[str] = set()  # requests the worker has not been told about yet
+        self.num_preemptions = 0
+
+    # -- queue ----------------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        self._unseen.add(req.request_id)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish or abort: frees the request's blocks now."""
+        if req.status.finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        if req.request_id in self._unseen:
+            self._unseen.discard(req.request_id)
+        else:
+            self._finished_ids.append(req.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_new: dict[str, int] = {}
+        preempted = False
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.kv.allocate_slots(req, n, self.num_lookahead_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                num_new[req.request_id] = n
+                budget -= n
+        if not preempted:
+            budget = self._admit(budget, num_new)
+        return self._build_output(num_new)
+
+    def _admit(self, budget: int, num_new: dict[str, int]) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if self._sibling_prefilling(req):
+                skipped.append(req)  # n > 1: wait for the first sibling's prompt to be cached
+                continue
+            blocks, hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            n = req.num_tokens - hit
+            if n > budget and not self.config.enable_chunked_prefill:
+                self.waiting.appendleft(req)
+                break
+            n = min(n, budget)
+            req.num_computed_tokens = hit
+            if not self.kv.allocate_slots(req, n, self.num_lookahead_tokens, blocks):
+                req.num_computed_tokens = 0
+                self.waiting.appendleft(req)
+                break
+            req.resumed = req.status == RequestStatus.PREEMPTED
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_new[req.request_id] = n
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        if req.group_id is None or not self.kv.enable_prefix_caching:
+            return False
+        return any(r.group_id == req.group_id and r.num_computed_tokens < r.num_prompt_tokens
+                   for r in self.running)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _build_output(self, num_new: dict[str, int]) -> SchedulerOutput:
+        rows, new_reqs = [], []
+        for req in self.running:
+            n = num_new.get(req.request_id)
+            if not n:
+                continue
+            start = req.num_computed_tokens
+            known = req.all_token_ids[start:start + n]
+            spec = req.spec_token_ids[:n - len(known)]
+            if len(known) + len(spec) < n or (spec and len(known) + len(spec) != n):
+                raise AssertionError("scheduled tokens out of sync with the request")
+            if req.request_id in self._unseen:
+                self._unseen.discard(req.request_id)
+                new_reqs.append(NewRequestData(req.request_id, list(req.prompt_token_ids),
+                                               req.sampling_params, req.max_tokens, req.spec_enabled))
+            rows.append(ScheduledRequest(
+                req_id=req.request_id,
+                token_ids=tuple(known) + tuple(spec),
+                num_computed_tokens=start,
+                num_spec_tokens=len(spec),
+                block_ids=tuple(self.kv.block_ids(req)),
+                needs_sample=start + len(known) == req.num_tokens,
+                resumed=req.resumed,
+            ))
+            req.resumed = False
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(rows, new_reqs, finished, self.num_lookahead_tokens,
+                               sum(r.num_tokens for r in rows))

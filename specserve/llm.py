@@ -1,0 +1,57 @@
+"""Offline API, shaped like vLLM's: ``LLM(model=None, **engine_args).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from specserve.config import EngineConfig
+from specserve.engine.engine import Engine
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = Engine(EngineConfig.from_kwargs(model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[list[int]] | None = None, use_tqdm: bool = False,
+                 speculative: bool = True) -> list[RequestOutput]:
+        """Run all prompts to completion, batched; outputs come back in the order of the prompts."""
+        if prompts is None:
+            items: list[Any] = list(prompt_token_ids or [])
+        elif isinstance(prompts, str):
+            items = [prompts]
+        else:
+            items = list(prompts)
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(items)
+        if len(plist) != len(items):
+            raise ValueError("sampling_params must be one object or one per prompt")
+        ids = [self.engine.add_request(None, p, sp, speculative=speculative) for p, sp in zip(items, plist)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(None, sampling_params, prompt_token_ids=prompts, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self.engine.get_metrics()

@@ -1,0 +1,124 @@
+"""Llama / Qwen2 / Mistral decoder over a flat token batch with a paged KV cache.
+
+The three families share one graph: Qwen2 adds q/k/v biases, Mistral's sliding window is not applied (we
+attend over the full context, which is exact for contexts shorter than the window).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import CheckpointError, ModelArch
+from specserve.model.attention import AttentionBackend, AttentionMetadata
+from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim ** -0.5
+        self.qkv = _param(self.q_size + 2 * self.kv_size, arch.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) \
+            if arch.attention_bias else None
+        self.o = _param(arch.hidden_size, self.q_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2 Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        o = backend.attend(q, kv_cache, meta, self.scale)  # [T, H, D]
+        return F.linear(o.reshape(t, self.q_size), self.o)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.attn = Attention(arch, dtype, device)
+        self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype, device)
+
+
+class LlamaModel(nn.Module):
+    """``forward(input_ids, positions, kv_caches, meta) -> hidden`` over flat tokens; logits on request."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.arch, self.dtype, self.device, self.backend = arch, dtype, device, backend
+        self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.lm_head = self.embed if arch.tie_word_embeddings else \
+            _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling,
+                                    torch.float32 if dtype == torch.float32 else dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, hidden].
+
+        ``num_layers`` runs only the first layers (layer-skip self-drafting); ``kv_caches`` then needs only
+        as many entries.
+        """
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, kv_cache in zip(layers, kv_caches):
+            h = h + layer.attn(layer.input_norm(h), positions, self.rope, kv_cache, meta, self.backend)
+            h = h + layer.mlp(layer.post_norm(h))
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()  # [N, vocab]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Names a missing tensor clearly."""
+        def get(name: str) -> torch.Tensor:
+            if name not in state_dict:
+                raise CheckpointError(f"missing tensor {name}")
+            return state_dict[name]
+
+        def put(dst: torch.Tensor, *names: str) -> None:
+            src = torch.cat([get(n) for n in names], dim=0) if len(names) > 1 else get(names[0])
+            if tuple(src.shape) != tuple(dst.shape):
+                raise CheckpointError(f"tensor {names[0]} has shape {tuple(src.shape)}, expected "
+                                      f"{tuple(dst.shape)} from the model config")
+            dst.copy_(src.to(dst.dtype))
+
+        with torch.no_grad():
+            put(self.embed, "model.embed_tokens.weight")
+            if not self.arch.tie_word_embeddings:
+                put(self.lm_head, "lm_head.weight")
+            put(self.norm.weight, "model.norm.weight")
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                a = p + "self_attn."
+                put(layer.attn.qkv, a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+                if layer.attn.qkv_bias is not None:
+                    put(layer.attn.qkv_bias, a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+                put(layer.attn.o, a + "o_proj.weight")
+                put(layer.mlp.gate_up, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                put(layer.mlp.down, p + "mlp.down_proj.weight")
+                put(layer.input_norm.weight, p + "input_layernorm.weight")
+                put(layer.post_norm.weight, p + "post_attention_layernorm.weight")

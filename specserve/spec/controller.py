@@ -1,0 +1,136 @@
+"""Choose k (0 = no speculation) each step from measured acceptance and measured cost.
+
+Cost model (SPECULATION.md): a step with B decoding requests and k drafts each costs
+``T_target(B (k + 1) tokens) + k T_draft(B)``, versus ``T_target(B)`` without speculation; it emits
+``sum_i E(alpha_i, k)`` tokens with ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` (Leviathan et al. 2023, eq. 1).
+We pick the k that maximises tokens per second. ``T_target`` is fitted online as ``a + b * tokens`` from
+the steps actually run; ``T_draft`` per draft step likewise. Speculation is therefore turned off by
+measurement (large batches make the target compute-bound), never by a fixed batch threshold.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens emitted per verification pass with k drafts and per-token acceptance alpha."""
+    if k <= 0:
+        return 1.0
+    alpha = min(max(alpha, 0.0), 0.999999)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def ideal_speedup(alpha: float, k: int, c: float) -> float:
+    """Ideal speedup with draft/target cost ratio c: E(alpha, k) / (1 + k c)."""
+    return expected_tokens(alpha, k) / (1 + k * c)
+
+
+class LinearCost:
+    """Online least-squares fit of time = a + b * tokens over the most recent samples."""
+
+    def __init__(self, window: int = 256) -> None:
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.samples.append((float(tokens), seconds))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def distinct(self) -> int:
+        return len({x for x, _ in self.samples})
+
+    def predict(self, tokens: float) -> float | None:
+        if not self.samples:
+            return None
+        n = len(self.samples)
+        mx = sum(x for x, _ in self.samples) / n
+        my = sum(y for _, y in self.samples) / n
+        var = sum((x - mx) ** 2 for x, _ in self.samples)
+        if var < 1e-9:  # one token count seen so far: assume memory-bound (flat) around it
+            return my
+        b = max(sum((x - mx) * (y - my) for x, y in self.samples) / var, 0.0)
+        a = my - b * mx
+        return max(a + b * tokens, 1e-6)
+
+
+class SpecController:
+    """Acceptance per request (running average) + measured costs -> k for this step."""
+
+    def __init__(self, max_k: int, adaptive: bool = True, prior_alpha: float = 0.6,
+                 explore_every: int = 16) -> None:
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.prior_alpha = prior_alpha
+        self.explore_every = explore_every
+        self.target_cost = LinearCost()
+        self.draft_cost = LinearCost()
+        self._alpha: dict[str, float] = {}
+        self._step = 0
+        self.last_k = max_k
+
+    # -- measurements ---------------------------------------------------------------------------------------
+    def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int) -> None:
+        """Running average of per-position acceptance; a pass that stops at the first rejection observes
+        num_accepted successes and (num_draft > num_accepted) one failure."""
+        if num_draft <= 0:
+            return
+        trials = num_accepted + (1 if num_accepted < num_draft else 0)
+        rate = num_accepted / trials
+        a = self._alpha.get(req_id, self.prior_alpha)
+        w = min(1.0, 0.3 * trials)
+        self._alpha[req_id] = (1 - w) * a + w * rate
+
+    def record_target(self, num_tokens: int, seconds: float) -> None:
+        self.target_cost.add(num_tokens, seconds)
+
+    def record_draft(self, num_reqs: int, seconds_per_step: float) -> None:
+        self.draft_cost.add(num_reqs, seconds_per_step)
+
+    def drop(self, req_id: str) -> None:
+        self._alpha.pop(req_id, None)
+
+    def alpha(self, req_id: str) -> float:
+        return self._alpha.get(req_id, self.prior_alpha)
+
+    # -- decision -------------------------------------------------------------------------------------------
+    def choose_k(self, req_ids: list[str], other_tokens: int = 0) -> int:
+        """k for the next step of these decoding requests; ``other_tokens`` are prefill tokens sharing it."""
+        if not req_ids:
+            return 0
+        if not self.adaptive:
+            return self.max_k
+        b = len(req_ids)
+        self._step += 1
+        if self.target_cost.distinct() < 2:
+            # One token count measured so far: the cost slope is unknown, so measure the other extreme.
+            best_k = 0 if self.last_k else self.max_k
+        else:
+            best_k, best_rate = 0, -1.0
+            for k in range(self.max_k + 1):
+                rate = self._rate(req_ids, b, k, other_tokens)
+                if rate is None:  # no draft-cost data yet: try it
+                    best_k = k
+                    break
+                if rate > best_rate * 1.0001:
+                    best_k, best_rate = k, rate
+            if self._step % self.explore_every == 0:  # keep the fit honest around the optimum
+                best_k = min(self.max_k, best_k + 1) if best_k == 0 or self._step % 2 else best_k - 1
+        self.last_k = best_k
+        return best_k
+
+    def _rate(self, req_ids: list[str], b: int, k: int, other: int) -> float | None:
+        t_target = self.target_cost.predict(other + b * (k + 1))
+        if t_target is None:
+            return None
+        t_draft = 0.0
+        if k:
+            d = self.draft_cost.predict(b)
+            if d is None:
+                return None
+            t_draft = k * d
+        tokens = sum(expected_tokens(self.alpha(r), k) for r in req_ids)
+        total = t_target + t_draft
+        return tokens / total if total > 0 and math.isfinite(total) else None

@@ -1,0 +1,104 @@
+"""Draft-model proposer: a small model (or the target's first layers) drafts k tokens autoregressively.
+
+The draft shares the target's block tables. A separate draft model has its own KV tensors and its own
+notion of "computed": after verification its cache holds KV for drafts that may have been rejected, and
+none for the recovered/bonus token, so each proposal first feeds the tokens the draft has not seen
+(SPECULATION.md, "the draft's own KV"). Layer-skip self-drafting writes into the target's own cache for its
+first L layers: those values equal what the target computes for the same tokens, so the draft's valid
+prefix is simply the target's ``num_computed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from specserve.sample.sampler import RequestSamplingState, process_logits
+from specserve.spec.proposer import Draft, ProposeRequest
+
+# (tokens to feed per request, start position per request, block ids per request) -> [B, vocab] logits at
+# each request's last fed token. Built by the worker, so spec/ never imports worker/.
+DraftStep = Callable[[list[list[int]], list[int], list[tuple[int, ...]]], torch.Tensor]
+
+
+class DraftModelProposer:
+    writes_kv = True
+
+    def __init__(self, step: DraftStep, shares_target_kv: bool, vocab_size: int) -> None:
+        self.step = step
+        self.shares_target_kv = shares_target_kv
+        self.vocab_size = vocab_size
+        # req_id -> (L, drafts fed at positions L, L+1, ...): what the draft cache holds past the history.
+        self._fed: dict[str, tuple[int, list[int]]] = {}
+        self._generators: dict[str, torch.Generator] = {}
+
+    def drop(self, req_id: str) -> None:
+        self._fed.pop(req_id, None)
+        self._generators.pop(req_id, None)
+
+    def _valid_prefix(self, r: ProposeRequest) -> int:
+        """Positions below this hold draft KV of the request's actual tokens."""
+        if self.shares_target_kv:
+            return r.num_computed
+        if r.req_id not in self._fed:
+            return 0
+        base, fed = self._fed[r.req_id]
+        valid = base
+        for tok in fed:
+            if valid >= len(r.token_ids) or r.token_ids[valid] != tok:
+                break
+            valid += 1
+        return min(valid, len(r.token_ids) - 1)
+
+    def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
+        starts = [self._valid_prefix(r) for r in reqs]
+        blocks = [r.block_ids for r in reqs]
+        logits = self.step([r.token_ids[s:] for r, s in zip(reqs, starts)], starts, blocks)  # [B, V]
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        active = list(range(len(reqs)))
+        while True:
+            toks, q = self._sample(logits, [reqs[i] for i in active], [drafts[i] for i in active])
+            for j, i in enumerate(active):
+                drafts[i].append(toks[j])
+                if q is not None and not reqs[i].state.params.greedy:
+                    probs[i].append(q[j])
+            active = [i for i in active if len(drafts[i]) < reqs[i].k]
+            if not active:
+                break
+            logits = self.step([[drafts[i][-1]] for i in active],
+                               [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active],
+                               [blocks[i] for i in active])
+        for r, d in zip(reqs, drafts):
+            self._fed[r.req_id] = (len(r.token_ids), d[:-1])  # the last draft was never fed
+        return [Draft(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def _sample(self, logits: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]
+                ) -> tuple[list[int], torch.Tensor | None]:
+        """Draft token per request: argmax for greedy requests, a sample from the draft's processed
+        distribution q otherwise (q is returned for exact rejection sampling)."""
+        logits = logits[:, :self.vocab_size]
+        states = [RequestSamplingState(r.state.params, r.state.prompt_token_ids,
+                                       r.state.output_token_ids + d, None) for r, d in zip(reqs, drafts)]
+        processed = process_logits(logits, states, [1] * len(reqs), [[] for _ in reqs])  # [B, V]
+        if all(r.state.params.greedy for r in reqs):
+            return processed.argmax(dim=-1).tolist(), None
+        q = torch.softmax(processed, dim=-1)
+        noise = torch.empty_like(q)
+        for j, r in enumerate(reqs):
+            noise[j].exponential_(generator=self._generator(r))
+        sampled = (q / noise).argmax(dim=-1)  # exponential race: an exact sample from q
+        greedy = torch.tensor([r.state.params.greedy for r in reqs], device=q.device)
+        toks = torch.where(greedy, processed.argmax(dim=-1), sampled)
+        return toks.tolist(), q
+
+    def _generator(self, r: ProposeRequest) -> torch.Generator | None:
+        seed = r.state.params.seed
+        if seed is None:
+            return None
+        if r.req_id not in self._generators:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(seed + 0x5EED)
+            self._generators[r.req_id] = g
+        return self._generators[r.req_id]

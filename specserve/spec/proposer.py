@@ -1,0 +1,43 @@
+"""The Proposer protocol: guess up to k next tokens per request, cheaply.
+
+Chosen once at start-up (``make_proposer`` in the worker); the hot path never branches on the method.
+A proposer returns, per request, draft token ids and -- when it sampled them from a distribution -- that
+distribution q (``[k, vocab]``), which exact rejection sampling needs. ``probs=None`` means q is one-hot
+(prompt lookup, greedy drafting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specserve.sample.sampler import RequestSamplingState
+
+
+@dataclass(slots=True)
+class ProposeRequest:
+    req_id: str
+    token_ids: list[int]  # prompt + output so far (read-only view of the worker's list)
+    num_computed: int  # target KV is valid for positions < num_computed (after verification)
+    k: int  # how many drafts to propose (>= 1)
+    block_ids: tuple[int, ...]  # KV blocks (draft models share the target's block tables)
+    state: RequestSamplingState
+
+
+@dataclass(slots=True)
+class Draft:
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # [len(token_ids), vocab] processed draft distributions
+
+
+class Proposer(Protocol):
+    # True when proposing writes KV ahead of the request's tokens (the scheduler reserves lookahead slots).
+    writes_kv: bool
+
+    def propose(self, reqs: list[ProposeRequest]) -> list[Draft]: ...
+
+    def drop(self, req_id: str) -> None:
+        """Forget a finished or preempted request's draft state."""
+        ...

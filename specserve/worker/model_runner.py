@@ -1,0 +1,274 @@
+"""The worker: owns the target (and draft) model and the KV tensors; runs one step.
+
+execute(step) = prepare flat inputs -> target forward -> logits at the positions that need them ->
+verify/sample (k = 0 is ordinary decoding) -> propose drafts for the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import CheckpointError, EngineConfig, SpecserveError
+from specserve.model.attention import make_backend
+from specserve.model.llama import LlamaModel
+from specserve.model.loader import Checkpoint, load_checkpoint
+from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from specserve.platform import Platform, resolve_dtype
+from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
+from specserve.spec.controller import SpecController
+from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.ngram import NgramProposer
+from specserve.spec.proposer import Proposer, ProposeRequest
+from specserve.spec.rejection import verify
+from specserve.worker.input_batch import flat_batch
+
+log = logging.getLogger("specserve")
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class CachedRequest:
+    """The worker's row for a request: sampling state, full token history, drafts in flight."""
+
+    state: RequestSamplingState
+    token_ids: list[int]  # prompt + output (what proposers read)
+    max_tokens: int
+    spec_enabled: bool
+    draft_probs: torch.Tensor | None = None  # [k, V] q of the drafts proposed last step (None: one-hot)
+
+
+def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int) -> LlamaModel:
+    model = LlamaModel(ckpt.arch, dtype, platform.device, make_backend(platform.attention_backend),
+                       max_positions)
+    model.load_weights(ckpt.state_dict)
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, platform: Platform, target: Checkpoint) -> None:
+        self.config = config
+        self.platform = platform
+        self.device = platform.device
+        self.dtype = resolve_dtype(platform, config.model.dtype)
+        self.arch = target.arch
+        self.max_model_len = config.model.max_model_len or target.arch.max_position_embeddings
+        self.block_size = config.cache.block_size
+        self.model = build_model(target, platform, self.dtype, self.max_model_len + 64)
+        self.draft_model: LlamaModel | None = None
+        spec = config.speculative
+        if spec.enabled and spec.method == "draft":
+            self.draft_model = self._load_draft(spec.model or "")
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = self._alloc_kv(self.model)
+        self.draft_kv_caches = self._alloc_kv(self.draft_model) if self.draft_model else []
+        self.proposer: Proposer | None = self._make_proposer() if spec.enabled else None
+        self.controller = SpecController(spec.num_speculative_tokens, spec.adaptive) if spec.enabled else None
+        self.requests: dict[str, CachedRequest] = {}
+
+    # -- start-up -------------------------------------------------------------------------------------------
+    def _load_draft(self, path: str) -> LlamaModel:
+        ckpt = load_checkpoint(path)
+        t, d = self.arch, ckpt.arch
+        if d.vocab_size != t.vocab_size:
+            raise SpecserveError(f"draft model {path} has a vocabulary of {d.vocab_size} tokens but the target has "
+                                 f"{t.vocab_size}: speculative decoding needs the same tokenizer")
+        if (d.bos_token_id, set(d.eos_token_ids)) != (t.bos_token_id, set(t.eos_token_ids)):
+            raise SpecserveError(f"draft model {path} has special tokens bos={d.bos_token_id} "
+                                 f"eos={sorted(d.eos_token_ids)} but the target has bos={t.bos_token_id} "
+                                 f"eos={sorted(t.eos_token_ids)}")
+        return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64)
+
+    def kv_bytes_per_block(self) -> int:
+        per = 0
+        for m in (self.model, self.draft_model):
+            if m is not None:
+                per += 2 * m.arch.num_layers * m.arch.num_kv_heads * m.arch.head_dim * self.dtype.itemsize
+        return per * self.block_size
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        per_block = self.kv_bytes_per_block()
+        if cache.num_blocks:
+            n = cache.num_blocks
+        else:
+            mem = cache.kv_cache_memory
+            if mem is None or mem <= 1:
+                avail = _available_memory(self.platform)
+                budget = avail * mem if mem is not None else (
+                    min(_DEFAULT_CPU_KV_BYTES, 0.25 * avail) if not self.platform.is_gpu else 0.9 * avail)
+            else:
+                budget = mem
+            n = int(budget // per_block)
+        if n * self.block_size < self.block_size * 2:
+            raise SpecserveError(f"KV cache too small: {n} blocks of {self.block_size} tokens")
+        draft_note = ""
+        if self.draft_model is not None:
+            w = sum(p.numel() * p.element_size() for p in self.draft_model.parameters())
+            draft_note = f" (including the draft's KV; draft weights {w / 2**20:.1f} MiB)"
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB%s", n, self.block_size,
+                 n * self.block_size, n * per_block / 2**20, draft_note)
+        return n
+
+    def _alloc_kv(self, model: LlamaModel | None) -> list[torch.Tensor]:
+        if model is None:
+            return []
+        shape = model.kv_cache_shape(self.num_blocks, self.block_size)
+        # zeros, not empty: padded reads of unused slots must never see NaN/Inf garbage.
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model.arch.num_layers)]
+
+    def _make_proposer(self) -> Proposer:
+        spec = self.config.speculative
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "draft":
+            assert self.draft_model is not None
+            return DraftModelProposer(self._draft_step(self.draft_model, self.draft_kv_caches, None),
+                                      shares_target_kv=False, vocab_size=self.arch.vocab_size)
+        if spec.method == "layer_skip":
+            layers = spec.draft_layers or max(1, self.arch.num_layers // 4)
+            if layers >= self.arch.num_layers:
+                raise SpecserveError(f"--draft-layers {layers} must be below the target's "
+                                     f"{self.arch.num_layers} layers")
+            return DraftModelProposer(self._draft_step(self.model, self.kv_caches[:layers], layers),
+                                      shares_target_kv=True, vocab_size=self.arch.vocab_size)
+        raise SpecserveError(f"speculative method {spec.method!r} is not available in this build")
+
+    def _draft_step(self, model: LlamaModel, kv: list[torch.Tensor], layers: int | None):
+        def step(token_ids: list[list[int]], starts: list[int], block_ids: list[tuple[int, ...]]) -> torch.Tensor:
+            fb = flat_batch(token_ids, starts, block_ids, self.block_size, self.device)
+            hidden = model(fb.input_ids, fb.positions, kv, fb.meta, num_layers=layers)
+            return model.compute_logits(hidden[fb.meta.query_start_loc[1:].long() - 1])  # [B, V]
+        return step
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._sync_requests(so)
+        rows = so.rows
+        if not rows:
+            return ModelRunnerOutput({}, {})
+        t0 = time.perf_counter()
+        fb = flat_batch([r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
+                        [r.block_ids for r in rows], self.block_size, self.device)
+        hidden = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.meta)  # [T, hidden]
+        sample_rows = [r for r in rows if r.needs_sample]
+        if not sample_rows:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[self._logits_indices(rows)])  # [sum(k_i + 1), V]
+        cached = [self.requests[r.req_id] for r in sample_rows]
+        states = [c.state for c in cached]
+        counts = [r.num_spec_tokens + 1 for r in sample_rows]
+        drafts = [list(r.token_ids[r.num_tokens - r.num_spec_tokens:]) for r in sample_rows]
+        qs = [c.draft_probs[:r.num_spec_tokens] if c.draft_probs is not None and r.num_spec_tokens else None
+              for c, r in zip(cached, sample_rows)]
+        processed = process_logits(logits, states, counts, drafts)
+        emitted = verify(processed, states, counts, drafts, qs)
+        logprobs = self._logprobs(logits, sample_rows, cached, counts, emitted)
+        if self.controller is not None:
+            self.controller.record_target(so.total_tokens, time.perf_counter() - t0)
+        for r, c, em in zip(sample_rows, cached, emitted):
+            c.state.output_token_ids.extend(em)
+            c.token_ids.extend(em)
+            c.draft_probs = None
+            if self.controller is not None:
+                self.controller.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1)
+        spec = self._propose(sample_rows, emitted)
+        return ModelRunnerOutput({r.req_id: em for r, em in zip(sample_rows, emitted)}, spec, logprobs)
+
+    def _sync_requests(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.drop(rid)
+            if self.controller is not None:
+                self.controller.drop(rid)
+        for nr in so.new_requests:
+            p = nr.sampling_params
+            gen = torch.Generator(device="cpu").manual_seed(p.seed) if p.seed is not None else None
+            state = RequestSamplingState(p, list(nr.prompt_token_ids), [], gen)
+            self.requests[nr.req_id] = CachedRequest(state, list(nr.prompt_token_ids), nr.max_tokens,
+                                                     nr.spec_enabled)
+        for r in so.rows:
+            if r.resumed and self.proposer is not None:
+                self.proposer.drop(r.req_id)  # its draft KV was freed with its blocks
+
+    @staticmethod
+    def _logits_indices(rows: list[ScheduledRequest]) -> list[int]:
+        idx: list[int] = []
+        end = 0
+        for r in rows:
+            end += r.num_tokens
+            if r.needs_sample:
+                idx.extend(range(end - r.num_spec_tokens - 1, end))
+        return idx
+
+    def _logprobs(self, logits: torch.Tensor, rows: list[ScheduledRequest], cached: list[CachedRequest],
+                  counts: list[int], emitted: list[list[int]]) -> dict[str, list[dict]]:
+        want = [c.state.params.logprobs for c in cached]
+        if all(w is None for w in want):
+            return {}
+        top_n = max(w or 0 for w in want)
+        row_idx, toks = [], []
+        start = 0
+        for n, em in zip(counts, emitted):
+            row_idx.extend(range(start, start + len(em)))
+            toks.extend(em)
+            start += n
+        lp = compute_logprobs(logits[row_idx], torch.tensor(toks, device=logits.device), top_n)
+        chosen, ids, vals = lp.token_logprobs.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        out: dict[str, list[dict]] = {}
+        j = 0
+        for r, w, em in zip(rows, want, emitted):
+            entries = []
+            for tok in em:
+                if w is not None:
+                    entries.append({"token_id": tok, "logprob": chosen[j],
+                                    "top": list(zip(ids[j][:w], vals[j][:w]))})
+                j += 1
+            if w is not None:
+                out[r.req_id] = entries
+        return out
+
+    def _propose(self, rows: list[ScheduledRequest], emitted: list[list[int]]) -> dict[str, list[int]]:
+        if self.proposer is None or self.controller is None:
+            return {}
+        cands = [(r, em) for r, em in zip(rows, emitted) if self.requests[r.req_id].spec_enabled]
+        k = self.controller.choose_k([r.req_id for r, _ in cands])
+        if k == 0:
+            return {}
+        reqs = []
+        for r, em in cands:
+            c = self.requests[r.req_id]
+            cap = min(k, c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
+            if cap >= 1:
+                valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
+                reqs.append(ProposeRequest(r.req_id, c.token_ids, valid, cap, r.block_ids, c.state))
+        if not reqs:
+            return {}
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(reqs)
+        self.controller.record_draft(len(reqs), (time.perf_counter() - t0) / k)
+        out = {}
+        for pr, d in zip(reqs, drafts):
+            if d.token_ids:
+                out[pr.req_id] = d.token_ids
+                self.requests[pr.req_id].draft_probs = d.probs
+        return out
+
+
+def _available_memory(platform: Platform) -> float:
+    if platform.is_gpu:
+        free, _ = torch.cuda.mem_get_info(platform.device)
+        return float(free)
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return float(8 << 30)
+
+
+__all__ = ["ModelRunner", "CheckpointError"]

@@ -1,0 +1,67 @@
+"""Shared test helpers: tiny random HF models built locally (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import ModelArch
+from specserve.model.attention import TorchAttention, build_metadata
+from specserve.model.llama import LlamaModel
+
+
+def tiny_hf_model(family: str = "llama", seed: int = 0, layers: int = 2, vocab: int = 256, **over):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common.update(over)
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[family]
+    model = model_cls(cfg_cls(**common)).eval()
+    # Random init of biases/norms so they matter in parity checks.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def arch_of(hf_model, family: str) -> ModelArch:
+    c = hf_model.config
+    theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 1e4)
+    return ModelArch(
+        architecture=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta), max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=bool(c.tie_word_embeddings), attention_bias=family == "qwen2",
+        bos_token_id=1, eos_token_ids=(2,),
+    )
+
+
+def our_model(hf_model, family: str) -> LlamaModel:
+    arch = arch_of(hf_model, family)
+    m = LlamaModel(arch, torch.float32, torch.device("cpu"), TorchAttention(), 1024)
+    m.load_weights({k: v for k, v in hf_model.state_dict().items()})
+    return m
+
+
+def run_chunks(model: LlamaModel, tokens: list[int], chunks: list[int], block_size: int = 4,
+               num_blocks: int = 64) -> torch.Tensor:
+    """Feed ``tokens`` in chunks through a paged cache (shuffled block ids); logits at every position."""
+    arch = model.arch
+    kv = [torch.zeros(model.kv_cache_shape(num_blocks, block_size)) for _ in range(arch.num_layers)]
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    out, pos = [], 0
+    for n in chunks:
+        ids = tokens[pos:pos + n]
+        meta = build_metadata([n], [pos + n], [table], block_size)
+        h = model(torch.tensor(ids), torch.arange(pos, pos + n), kv, meta)
+        out.append(model.compute_logits(h))
+        pos += n
+    return torch.cat(out)
