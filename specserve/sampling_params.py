@@ -36,8 +36,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] | str | None = field(default_factory=list)
-    stop_token_ids: list[int] | None = field(default_factory=list)
+    # NOTE: typed as lists (what every reader sees after __post_init__); a str or None is accepted and normalised.
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -46,13 +47,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        stop: object = self.stop
+        self.stop = [] if stop is None else [stop] if isinstance(stop, str) else list(self.stop)
+        ids: object = self.stop_token_ids
+        self.stop_token_ids = [] if ids is None else list(self.stop_token_ids)
         self._validate()
 
     # ------------------------------------------------------------------ validation
@@ -100,7 +98,6 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     def _validate_stops(self) -> None:
-        assert isinstance(self.stop, list) and isinstance(self.stop_token_ids, list)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop may contain at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
@@ -136,7 +133,7 @@ class SamplingParams:
 
     def with_seed(self, seed: int | None) -> SamplingParams:
         """A copy with another seed (validated like any other)."""
-        return replace(self, seed=seed, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []))
+        return replace(self, seed=seed, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
 
     def for_child(self, index: int) -> SamplingParams:
         """Parameters for child ``index`` of an ``n > 1`` request: n=1 and, if seeded, seed + index

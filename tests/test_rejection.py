@@ -4,6 +4,8 @@ fail them), and seed reproducibility across batches."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -16,8 +18,8 @@ INF = float("inf")
 V = 12
 
 
-def st(seed: int | None = None, output: list[int] | None = None, **kw: object) -> RequestSamplingState:
-    params = SamplingParams(seed=seed, **kw)  # type: ignore[arg-type]
+def st(seed: int | None = None, output: list[int] | None = None, **kw: Any) -> RequestSamplingState:
+    params = SamplingParams(seed=seed, **kw)
     return RequestSamplingState.create(params, [], "cpu") if seed is not None else \
         RequestSamplingState(params, [], list(output or []), None)
 
@@ -175,7 +177,7 @@ def position(outs: list[list[int]], j: int) -> torch.Tensor:
     return torch.tensor([o[j] for o in outs if len(o) > j])
 
 
-def target_and_draft(seed: int, t_target: float, t_draft: float, k: int, **kw: object) -> tuple[torch.Tensor, ...]:
+def target_and_draft(seed: int, t_target: float, t_draft: float, k: int, **kw: Any) -> tuple[torch.Tensor, ...]:
     """Processed target logits [k+1, V], its p [k+1, V] and the draft's q [k, V] (different raw logits)."""
     gen = torch.Generator().manual_seed(seed)
     raw_t, raw_d = torch.randn(k + 1, V, generator=gen) * 1.5, torch.randn(k, V, generator=gen) * 1.5
@@ -267,9 +269,9 @@ def test_seeded_request_is_batch_invariant() -> None:
     diverse = set()
     for seed in range(20):
         raw, drafts, q = seeded_case(gen)
-        kw = {"temperature": 1.3, "top_k": 8, "frequency_penalty": 0.3}
+        kw: dict[str, Any] = {"temperature": 1.3, "top_k": 8, "frequency_penalty": 0.3}
 
-        def target() -> RequestSamplingState:
+        def target(seed: int = seed, kw: dict[str, Any] = kw) -> RequestSamplingState:
             s = st(seed=seed, **kw)
             s.output_token_ids[:] = [1, 2, 2]
             return s

@@ -20,11 +20,11 @@ def test_defaults_match_vllm_names() -> None:
 
 
 def test_stop_normalisation() -> None:
-    assert SamplingParams(stop="###").stop == ["###"]
-    assert SamplingParams(stop=None).stop == []
-    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
-    assert SamplingParams(stop_token_ids=None).stop_token_ids == []
-    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+    assert SamplingParams(stop="###").stop == ["###"]  # type: ignore[arg-type]
+    assert SamplingParams(stop=None).stop == []  # type: ignore[arg-type]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]  # type: ignore[arg-type]
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == []  # type: ignore[arg-type]
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]  # type: ignore[arg-type]
 
 
 def test_greedy_and_flags() -> None:

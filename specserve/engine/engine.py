@@ -134,33 +134,22 @@ class Engine:
     def _update(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
         self.stats.num_steps += 1
         touched: dict[str, _Group] = {}
-        for row in so.rows:
-            req = self.scheduler.requests.get(row.req_id)
-            if req is None:
-                continue
-            req.num_computed_tokens += row.num_tokens
-            req.spec_token_ids = []
-            emitted = ro.sampled.get(row.req_id)
-            if emitted is None:
-                continue
-            # NOTE: rejected drafts' KV is stale; moving the counter back is the whole rollback.
-            num_accepted = len(emitted) - 1
-            req.num_computed_tokens -= row.num_spec_tokens - num_accepted
-            req.spec.record(row.num_spec_tokens, num_accepted)
-            self.stats.spec.record(row.num_spec_tokens, num_accepted)
-            group, idx = self._child_group[row.req_id]
-            comp = group.completions[idx]
-            before = len(comp.token_ids)
-            status = append_checked(req, emitted, group.detoks[idx], comp, ro.logprobs.get(row.req_id))
-            self.stats.num_generated_tokens += len(comp.token_ids) - before
+        for req, emitted, num_draft in self.scheduler.update(so, ro, self._append):
+            self.stats.spec.record(num_draft, len(emitted) - 1)
+            group = self._child_group[req.request_id][0]
             group.first_token = group.first_token or time.monotonic()
             touched[group.request_id] = group
-            if status is not None:
-                self.scheduler.finish(req, status)
-            else:
-                self.kv.cache_full_blocks(req)
-                req.spec_token_ids = ro.spec_token_ids.get(row.req_id, [])
         return [self._output(g) for g in touched.values()]
+
+    def _append(self, req: Request, emitted: list[int], logprobs: list[dict[str, Any]] | None
+                ) -> RequestStatus | None:
+        """Tokens -> text, with stop checks token by token (see engine/stop.py)."""
+        group, idx = self._child_group[req.request_id]
+        comp = group.completions[idx]
+        before = len(comp.token_ids)
+        status = append_checked(req, emitted, group.detoks[idx], comp, logprobs)
+        self.stats.num_generated_tokens += len(comp.token_ids) - before
+        return status
 
     def _output(self, group: _Group) -> RequestOutput:
         finished = group.finished

@@ -9,10 +9,12 @@ its blocks are freed and ``num_computed_tokens`` goes back to 0 (recompute on re
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from specserve.config import SchedulerConfig
 from specserve.kv.kv_cache_manager import KVCacheManager
-from specserve.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
+from specserve.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from specserve.request import Request, RequestStatus
 
 
@@ -108,8 +110,8 @@ class Scheduler:
     def _sibling_prefilling(self, req: Request) -> bool:
         if req.group_id is None or not self.kv.enable_prefix_caching:
             return False
-        return any(r.group_id == req.group_id and r.num_computed_tokens < r.num_prompt_tokens
-                   for r in self.running)
+        full = req.num_prompt_tokens // self.kv.block_size * self.kv.block_size
+        return any(r.group_id == req.group_id and r.num_computed_tokens < full for r in self.running)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -130,8 +132,6 @@ class Scheduler:
             start = req.num_computed_tokens
             known = req.all_token_ids[start:start + n]
             spec = req.spec_token_ids[:n - len(known)]
-            if len(known) + len(spec) < n or (spec and len(known) + len(spec) != n):
-                raise AssertionError("scheduled tokens out of sync with the request")
             if req.request_id in self._unseen:
                 self._unseen.discard(req.request_id)
                 new_reqs.append(NewRequestData(req.request_id, list(req.prompt_token_ids),
@@ -149,3 +149,33 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(rows, new_reqs, finished, self.num_lookahead_tokens,
                                sum(r.num_tokens for r in rows))
+
+    # -- after the step -------------------------------------------------------------------------------------
+    def update(self, so: SchedulerOutput, ro: ModelRunnerOutput,
+               append: Callable[[Request, list[int], list[dict[str, Any]] | None], RequestStatus | None]
+               ) -> list[tuple[Request, list[int], int]]:
+        """Advance counters, roll back rejected drafts, hand emitted tokens to ``append`` (which applies
+        stop conditions and returns a finishing status), take the next drafts. Returns, per request that
+        emitted tokens: (request, emitted tokens, number of drafts verified)."""
+        progressed = []
+        for row in so.rows:
+            req = self.requests.get(row.req_id)
+            if req is None:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += row.num_tokens
+            req.spec_token_ids = []
+            emitted = ro.sampled.get(row.req_id)
+            if emitted is None:  # a prefill chunk that does not reach the end of the prompt
+                continue
+            # NOTE: rejected drafts' KV is stale; moving the counter back is the whole rollback.
+            num_accepted = len(emitted) - 1
+            req.num_computed_tokens -= row.num_spec_tokens - num_accepted
+            req.spec.record(row.num_spec_tokens, num_accepted)
+            self.kv.cache_full_blocks(req)
+            status = append(req, emitted, ro.logprobs.get(row.req_id))
+            progressed.append((req, emitted, row.num_spec_tokens))
+            if status is not None:
+                self.finish(req, status)
+            else:
+                req.spec_token_ids = ro.spec_token_ids.get(row.req_id, [])
+        return progressed

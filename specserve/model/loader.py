@@ -114,8 +114,10 @@ def _wrap_errors(path: str) -> Iterator[None]:
     """Whatever a bad file makes a library raise reaches the user as one CheckpointError naming it."""
     try:
         yield
-    except CheckpointError:
-        raise
+    except CheckpointError as e:
+        if path in str(e):
+            raise
+        raise CheckpointError(f"{path}: {e}") from e  # e.g. ModelArch's own validation
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read checkpoint: {type(e).__name__}: {e}") from e
 
@@ -425,16 +427,15 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, file: str)
     llama.cpp bakes (factor, low/high_freq_factor, original context) into one divisor per frequency; every
     Llama 3.x release uses low=1, high=4, original=8192, so try that and check it reproduces the table.
     """
-    cand = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    factor, old = float(factors.max()), 8192.0
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen, old = 2 * math.pi / inv, 8192.0
+    wavelen = 2 * math.pi / inv
     smooth = (old / wavelen - 1.0) / (4.0 - 1.0)
-    want = np.where(wavelen < old / 4.0, 1.0,
-                    np.where(wavelen > old, cand["factor"], 1 / ((1 - smooth) / cand["factor"] + smooth)))
+    want = np.where(wavelen < old / 4.0, 1.0, np.where(wavelen > old, factor, 1 / ((1 - smooth) / factor + smooth)))
     if factors.shape != want.shape or not np.allclose(factors, want, rtol=1e-3):
         raise CheckpointError(f"{file}: unsupported rope_freqs.weight (not Llama 3 rope scaling)")
-    return cand
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": int(old)}
 
 
 def _gguf_arch(g: _GGUF, f: Any, file: str) -> ModelArch:

@@ -75,15 +75,17 @@ def verify(processed_logits: torch.Tensor, states: list[RequestSamplingState], r
     k_max = layout.draft_ids.shape[1] - 1
     if not sampled:  # common fast path: one argmax, no softmax, no randomness
         tokens, num_acc = _verify_greedy(logits, layout)
-    else:
+    elif not greedy:
+        tokens, num_acc = _verify_sampled(logits, layout, states, draft_probs)
+    else:  # mixed batch: each half on its own rows, merged by request index
         tokens = torch.empty(len(states), k_max + 1, dtype=torch.long, device=logits.device)  # [B, K + 1]
         num_acc = torch.empty(len(states), dtype=torch.long, device=logits.device)  # [B]
-        for idx, run in ((greedy, _verify_greedy_subset), (sampled, _verify_sampled)):
-            if idx:
-                sub_tokens, sub_acc = run(logits, layout.select(idx), [states[i] for i in idx],
-                                          [draft_probs[i] for i in idx])
-                t = torch.tensor(idx, dtype=torch.long, device=logits.device)
-                tokens[t], num_acc[t] = sub_tokens, sub_acc
+        parts = [(greedy, _verify_greedy(logits, layout.select(greedy))),
+                 (sampled, _verify_sampled(logits, layout.select(sampled), [states[i] for i in sampled],
+                                           [draft_probs[i] for i in sampled]))]
+        for idx, (sub_tokens, sub_acc) in parts:
+            t = torch.tensor(idx, dtype=torch.long, device=logits.device)
+            tokens[t], num_acc[t] = sub_tokens, sub_acc
     rows = torch.cat([tokens, num_acc.unsqueeze(1)], dim=1).tolist()  # the one host sync
     return [row[: row[-1] + 1] for row in rows]
 
@@ -97,11 +99,6 @@ def _verify_greedy(logits: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor,
     argmax = logits.argmax(dim=-1)[layout.row_idx]  # [B, K + 1]
     match = (layout.draft_ids[:, :k_max] == argmax[:, :k_max]) & layout.valid  # [B, K]
     return argmax, _num_accepted(match)
-
-
-def _verify_greedy_subset(logits: torch.Tensor, layout: _Layout, states: list[RequestSamplingState],
-                          draft_probs: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    return _verify_greedy(logits, layout)
 
 
 def _verify_sampled(logits: torch.Tensor, layout: _Layout, states: list[RequestSamplingState],
@@ -162,8 +159,8 @@ class _DraftQ:
     def build(draft_probs: list[torch.Tensor | None], num_drafts: list[int], vocab: int,
               device: torch.device) -> _DraftQ:
         k_max = max(num_drafts)
-        pieces = [p.to(device=device, dtype=torch.float32) for p in draft_probs if p is not None and len(p)]
-        total = sum(len(p) for p in pieces)
+        pieces = [p.to(device=device, dtype=torch.float32) for p in draft_probs if p is not None and p.shape[0]]
+        total = sum(p.shape[0] for p in pieces)
         dense = torch.cat([*pieces, torch.zeros(1, vocab, device=device)])  # [D + 1, V]
         rows, start = [], 0
         for p, k in zip(draft_probs, num_drafts, strict=True):
