@@ -197,7 +197,8 @@ class EngineConfig:
     def from_kwargs(model: str | None = None, **kw: Any) -> EngineConfig:
         """Build from flat keyword arguments (the names of the CLI flags, vLLM-style)."""
         def take(*names: str) -> dict[str, Any]:
-            return {n: kw.pop(n) for n in names if n in kw and kw[n] is not None}
+            picked = {n: kw.pop(n) for n in names if n in kw}
+            return {n: v for n, v in picked.items() if v is not None}
 
         model_cfg = ModelConfig(model=model, **take("dtype", "device", "max_model_len", "seed"))
         cache_kw = take("block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching")

@@ -37,3 +37,21 @@ def test_llama3_rope_scaling_matches_hf():
         ref = hf(torch.tensor([tokens])).logits[0].float()
     got = run_chunks(ours, tokens, [60, 40])
     assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_saved_checkpoint_through_loader_matches_hf(tmp_path, family):
+    from specserve.model.attention import TorchAttention
+    from specserve.model.llama import LlamaModel
+    from specserve.model.loader import load_checkpoint
+
+    hf = tiny_hf_model(family, seed=5, tie_word_embeddings=family == "llama")
+    hf.save_pretrained(tmp_path)
+    ckpt = load_checkpoint(str(tmp_path))
+    ours = LlamaModel(ckpt.arch, torch.float32, torch.device("cpu"), TorchAttention(), 1024)
+    ours.load_weights(ckpt.state_dict)
+    tokens = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0, -1].float()
+    got = run_chunks(ours, tokens, [23])[-1]
+    assert (got - ref).abs().max().item() < 1e-4

@@ -285,3 +285,36 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: A
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
         pass
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from several streams as they come; an error in one ends the merge."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except Exception as e:
+            q.put_nowait((i, e))
+            return
+        q.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

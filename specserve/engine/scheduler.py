@@ -68,7 +68,7 @@ class Scheduler:
             n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            while not self.kv.allocate_slots(req, n, self.num_lookahead_tokens):
+            while not self.kv.allocate_slots(req, n, self._lookahead(req, n)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -95,7 +95,7 @@ class Scheduler:
                 break
             n = min(n, budget)
             req.num_computed_tokens = hit
-            if not self.kv.allocate_slots(req, n, self.num_lookahead_tokens, blocks):
+            if not self.kv.allocate_slots(req, n, self._lookahead(req, n), blocks):
                 req.num_computed_tokens = 0
                 self.waiting.appendleft(req)
                 break
@@ -106,6 +106,15 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _lookahead(self, req: Request, num_new: int) -> int:
+        """Draft slots to reserve past this step's tokens. NOTE: drafts never go past prompt + max_tokens
+        (the worker caps k), so neither do the slots: a request that fits the pool alone must never be
+        refused for lookahead it cannot use (that livelocked a request filling the pool exactly)."""
+        if not req.spec_enabled:
+            return 0
+        room = req.num_prompt_tokens + req.max_tokens - req.num_computed_tokens - num_new
+        return max(0, min(self.num_lookahead_tokens, room))
 
     def _sibling_prefilling(self, req: Request) -> bool:
         if req.group_id is None or not self.kv.enable_prefix_caching:

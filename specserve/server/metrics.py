@@ -14,7 +14,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -82,6 +89,7 @@ class _EngineCollector:
 
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, Any]], model_name: str) -> None:
+        disable_created_metrics()  # NOTE: process-wide; no `*_created` series (as vLLM)
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]

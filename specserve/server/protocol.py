@@ -10,10 +10,12 @@ equal to ``n``), ``response_format`` (only ``{"type": "text"}``). Extensions (vL
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
 
 # Chat default for max_tokens when neither max_tokens nor max_completion_tokens is given: up to the end of
@@ -243,13 +245,6 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: dict[str, Any]  # {"role": ..., "content": ...}; {} on the finishing chunk
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -273,3 +268,109 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# -- building responses ----------------------------------------------------------------------------------
+class Delta:
+    """What one choice has streamed so far. While the choice runs, the last ``hold`` characters (longest stop
+    string - 1) are held back: the engine cuts a stop string out of the text only once it is complete, so
+    text that may still become part of one must not be sent yet. Streamed pieces then concatenate exactly to
+    the final text."""
+
+    def __init__(self, hold: int) -> None:
+        self.hold = hold
+        self.sent = 0  # characters
+        self.tokens = 0
+        self.done = False
+
+    def advance(self, comp: CompletionOutput) -> tuple[str, int, int] | None:
+        """(new text, first new token index, end token index), or None once the finish was sent."""
+        if self.done:
+            return None
+        end = len(comp.text) if comp.finished else max(self.sent, len(comp.text) - self.hold)
+        text = comp.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        t0, self.tokens = self.tokens, len(comp.token_ids)
+        self.done = comp.finished
+        return text, t0, self.tokens
+
+
+def usage(outputs: list[RequestOutput]) -> Usage:
+    """Prompt tokens once per prompt (not per choice); completion tokens over all choices."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    spec = SpeculativeUsage.merge([o.metrics.get("speculative") or {} for o in outputs])
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 speculative=spec)
+
+
+def completion_logprobs(decode: Callable[[int], str], entries: list[dict[str, Any]],
+                        offset: int) -> dict[str, Any]:
+    """Legacy completions format: parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+    tokens, chosen, tops, offsets = [], [], [], []
+    for e in entries:
+        s = decode(e["token_id"])
+        tokens.append(s)
+        chosen.append(e["logprob"])
+        tops.append({decode(i): lp for i, lp in e.get("top", [])})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(decode: Callable[[int], str], entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Chat format: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    def item(tok: int, lp: float) -> dict[str, Any]:
+        s = decode(tok)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**item(e["token_id"], e["logprob"]),
+                         "top_logprobs": [item(i, lp) for i, lp in e.get("top", [])]} for e in entries]}
+
+
+def _is_union_tag(x: str) -> bool:
+    return "[" in x or x in ("str", "int", "float", "bool", "dict", "list", "none")
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One OpenAI-style message (and the top-level parameter) for pydantic's errors."""
+    if not errors:
+        return "invalid request", None
+    # A validator's own message (ValueError) says the most; else the first error.
+    e = next((x for x in errors if x.get("type") == "value_error"), errors[0])
+    raw = [str(x) for x in e.get("loc", ()) if x != "body"]
+    path = ".".join(x for x in raw if not _is_union_tag(x))
+    param = raw[0] if raw else None
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        return f"Invalid JSON body: {(e.get('ctx') or {}).get('error', e.get('msg', ''))}", None
+    if not raw and isinstance(e.get("input"), bytes | str):  # not parsed: no JSON content type
+        return "Invalid JSON body: send a JSON object with Content-Type: application/json", None
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {path}", param
+    if kind == "missing":
+        return (f"Missing required parameter: '{path}'" if raw else "The request body is missing"), param
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    tags = [t for x in errors for t in [str(y) for y in x.get("loc", ())][:len(e.get("loc", ())) + 1]
+            if _is_union_tag(t)]
+    if kind != "value_error" and len(set(tags)) > 1:  # a union: one error per alternative
+        return f"Invalid value for '{path}': {e.get('input')!r} (expected one of: {', '.join(dict.fromkeys(tags))})", param
+    return (f"Invalid value for '{path}': {msg}" if raw else msg), param
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[tuple[int, CompletionOutput]],
+                        usage: Usage, decode: Callable[[int], str] | None) -> dict[str, Any]:
+    """The non-streamed /v1/completions body; ``decode`` is given when logprobs were asked for."""
+    out = [CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                            logprobs=completion_logprobs(decode, c.logprobs or [], 0) if decode else None)
+           for i, c in choices]
+    return CompletionResponse(id=rid, created=created, model=model, choices=out, usage=usage).model_dump()
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[tuple[int, CompletionOutput]],
+                  usage: Usage, decode: Callable[[int], str] | None) -> dict[str, Any]:
+    """The non-streamed /v1/chat/completions body."""
+    out = [ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                      stop_reason=c.stop_reason, logprobs=chat_logprobs(decode, c.logprobs or []) if decode else None)
+           for i, c in choices]
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=usage).model_dump()
