@@ -22,7 +22,7 @@ from specserve.server.api import create_app
 MODEL = "SmolLM2-135M-Instruct"
 
 
-# -- AsyncEngine over a fake engine ----------------------------------------------------------------------------
+# -- AsyncEngine over a fake engine --------------------------------------------------------------------------
 class FakeEngine:
     """Each request emits one token per step until max_tokens; records which threads touched it."""
 
@@ -141,7 +141,7 @@ def test_async_engine_errors_and_abort():
     assert ae.num_step_errors == 1 and not ae.is_running and not fake.has_unfinished()
 
 
-# -- HTTP errors ------------------------------------------------------------------------------------------------
+# -- HTTP errors ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def aengine(server_engine):
     ae = AsyncEngine(server_engine, max_queue=64)

@@ -141,7 +141,8 @@ class AsyncEngine:
 
     # -- asyncio API ----------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
-                          prompt_token_ids: list[int] | None = None, speculative: bool = True) -> RequestStream:
+                          prompt_token_ids: list[int] | None = None,
+                          speculative: bool = True) -> RequestStream:
         """Queue a request and wait until the loop thread has validated it: raises ValueError (bad input),
         QueueFullError or EngineClosedError here, before anything is streamed."""
         self.start()
@@ -219,7 +220,8 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._do_add(request_id, *rest, closing=closing)
+                args, loop, fut = rest
+                self._do_add(request_id, args, loop, fut, closing)
             else:
                 self._do_abort(request_id)
 

@@ -14,7 +14,7 @@ Token at position ``p`` of request ``r`` lives in block ``block_tables[r, p // b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ class AttentionMetadata:
     # Host copies (no device sync needed to plan the reference path).
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    block_size: int = 16
+    # Backend-private precomputation shared by all layers of one forward (e.g. gather indices, masks).
+    plan: Any = None
 
     @property
     def num_reqs(self) -> int:
@@ -48,8 +51,30 @@ class AttentionBackend(Protocol):
                scale: float) -> torch.Tensor: ...
 
 
+@dataclass(slots=True)
+class _BatchedPlan:
+    """Gather indices and mask for the requests with short queries, built once per forward."""
+
+    tok: torch.Tensor  # [B, max_q] flat token index of each padded query (clamped)
+    valid: torch.Tensor  # [B, max_q] bool
+    slots: torch.Tensor  # [B, max_s] flat KV slot of each key position (clamped to 0 past the end)
+    mask: torch.Tensor  # [B, 1, group * max_q, max_s] bool: key visible to query
+    out_tok: torch.Tensor  # [num valid] flat token index of each valid padded query
+    max_q: int
+
+
+@dataclass(slots=True)
+class _Plan:
+    batched: _BatchedPlan | None
+    long_reqs: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (start, q_len, slots [S], mask [q, S])
+
+
 class TorchAttention:
-    """Reference backend (the CPU path and the oracle for the Triton kernels)."""
+    """Reference backend (the CPU path and the oracle for the Triton kernels).
+
+    Requests with few new tokens (decode, verification) are padded into one SDPA call; longer ones
+    (prefill chunks) get one call each. Gather indices and masks are planned once per forward.
+    """
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -61,72 +86,73 @@ class TorchAttention:
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> out: same shape
+        num_heads, head_dim = query.shape[1:]
+        num_kv_heads = kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        plan = meta.plan
+        if not isinstance(plan, _Plan):
+            plan = meta.plan = _make_plan(meta, kv_cache.shape[2], group, query.shape[0])
         out = torch.empty_like(query)
-        short = [r for r, q in enumerate(meta.query_lens_host) if 0 < q <= _BATCHED_MAX_QUERY]
-        if short:
-            _attend_batched(query, kv_cache, meta, scale, short, out)
-        starts = meta.query_start_loc.tolist() if len(short) < meta.num_reqs else []
-        for r, q_len in enumerate(meta.query_lens_host):
-            if q_len > _BATCHED_MAX_QUERY:
-                s = starts[r]
-                out[s:s + q_len] = _attend_one(query[s:s + q_len], kv_cache, meta.block_tables[r],
-                                               meta.seq_lens_host[r], scale)
+        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        if plan.batched is not None:
+            bp = plan.batched
+            b, max_q = bp.tok.shape
+            q = query[bp.tok]  # [B, max_q, H, D]
+            # GQA without copying K/V: fold the query heads of a group into the query-length axis.
+            q = q.view(b, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+            q = q.reshape(b, num_kv_heads, group * max_q, head_dim)
+            k = k_flat[bp.slots].to(query.dtype).transpose(1, 2)  # [B, Hkv, S, D]
+            v = v_flat[bp.slots].to(query.dtype).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bp.mask, scale=scale)
+            o = o.view(b, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+            out[bp.out_tok] = o.reshape(b, max_q, num_heads, head_dim)[bp.valid]
+        for start, q_len, slots, mask in plan.long_reqs:
+            k = k_flat[slots].to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+            v = v_flat[slots].to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+            q = query[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            out[start:start + q_len] = o.transpose(0, 1)
         return out
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[2, ..., seq_len, num_kv_heads, head_dim] for one request's (or a batch of) block table(s)."""
-    block_size = kv_cache.shape[2]
-    nblk = -(-seq_len // block_size)
-    kv = kv_cache[:, block_table[..., :nblk].long()]  # [2, (B,) nblk, block_size, Hkv, D]
-    kv = kv.flatten(-4, -3)  # [2, (B,) nblk * block_size, Hkv, D]
-    return kv[..., :seq_len, :, :]
+def _key_slots(table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """[..., seq_len] flat KV slot of every key position of (a batch of) block table(s)."""
+    pos = torch.arange(seq_len, device=table.device)
+    blocks = table[..., pos // block_size].long()
+    return blocks * block_size + pos % block_size
 
 
-def _attend_one(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-                scale: float) -> torch.Tensor:
-    q_len, num_heads, head_dim = q.shape
-    k, v = _gather_kv(kv_cache, block_table, seq_len)  # [seq_len, Hkv, D]
-    group = num_heads // k.shape[1]
-    k = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-    v = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-    ctx = seq_len - q_len
-    qpos = torch.arange(q_len, device=q.device)[:, None] + ctx
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos  # [q_len, seq_len]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
-
-
-def _attend_batched(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    reqs: list[int], out: torch.Tensor) -> None:
-    device = query.device
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    idx = torch.tensor(reqs, device=device)
-    q_lens = torch.tensor([meta.query_lens_host[r] for r in reqs], device=device)
-    s_lens = torch.tensor([meta.seq_lens_host[r] for r in reqs], device=device)
-    max_q = int(max(meta.query_lens_host[r] for r in reqs))
-    max_s = int(max(meta.seq_lens_host[r] for r in reqs))
-    b = len(reqs)
-    # Padded query gather: [B, max_q] token indices into the flat batch.
-    qi = torch.arange(max_q, device=device)
-    valid_q = qi[None, :] < q_lens[:, None]  # [B, max_q]
-    tok = (meta.query_start_loc[idx].long()[:, None] + qi[None, :]).clamp(max=query.shape[0] - 1)
-    q = query[tok]  # [B, max_q, H, D]
-    k, v = _gather_kv(kv_cache, meta.block_tables[idx], max_s)  # [B, S, Hkv, D]
-    k = k.to(query.dtype).permute(0, 2, 1, 3)  # [B, Hkv, S, D]
-    v = v.to(query.dtype).permute(0, 2, 1, 3)
-    # GQA without copying K/V: fold the query heads of a group into the query-length axis.
-    q = q.view(b, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(b, num_kv_heads, group * max_q, head_dim)
-    qpos = (s_lens - q_lens)[:, None] + qi[None, :]  # [B, max_q]
-    mask = torch.arange(max_s, device=device)[None, None, :] <= qpos[:, :, None]  # [B, max_q, S]
-    mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * max_q, S]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    o = o.view(b, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    o = o.reshape(b, max_q, num_heads, head_dim)
-    out[tok[valid_q]] = o[valid_q]
+def _make_plan(meta: AttentionMetadata, block_size: int, group: int, num_tokens: int) -> _Plan:
+    device = meta.block_tables.device
+    starts = meta.query_start_loc.tolist()
+    short = [r for r, q in enumerate(meta.query_lens_host) if 0 < q <= _BATCHED_MAX_QUERY]
+    batched = None
+    if short:
+        idx = torch.tensor(short, device=device)
+        q_lens = torch.tensor([meta.query_lens_host[r] for r in short], device=device)
+        s_lens = torch.tensor([meta.seq_lens_host[r] for r in short], device=device)
+        max_q = max(meta.query_lens_host[r] for r in short)
+        max_s = max(meta.seq_lens_host[r] for r in short)
+        qi = torch.arange(max_q, device=device)
+        valid = qi[None, :] < q_lens[:, None]  # [B, max_q]
+        tok = (meta.query_start_loc[idx].long()[:, None] + qi[None, :]).clamp(max=max(num_tokens - 1, 0))
+        kpos = torch.arange(max_s, device=device)
+        slots = _key_slots(meta.block_tables[idx], max_s, block_size)
+        slots = torch.where(kpos[None, :] < s_lens[:, None], slots, torch.zeros_like(slots))
+        qpos = (s_lens - q_lens)[:, None] + qi[None, :]  # [B, max_q]
+        mask = kpos[None, None, :] <= qpos[:, :, None]  # [B, max_q, S]
+        mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * max_q, S]
+        batched = _BatchedPlan(tok, valid, slots, mask, tok[valid], max_q)
+    long_reqs = []
+    for r, q_len in enumerate(meta.query_lens_host):
+        if q_len > _BATCHED_MAX_QUERY:
+            s_len = meta.seq_lens_host[r]
+            slots = _key_slots(meta.block_tables[r], s_len, block_size)
+            qpos = torch.arange(q_len, device=device)[:, None] + (s_len - q_len)
+            mask = torch.arange(s_len, device=device)[None, :] <= qpos  # [q_len, S]
+            long_reqs.append((starts[r], q_len, slots, mask))
+    return _Plan(batched, long_reqs)
 
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
@@ -55,8 +55,8 @@ log = logging.getLogger("specserve.server")
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.info = status, ErrorInfo(message=message, type=type, param=param, code=code)
 
@@ -180,7 +180,7 @@ class _Run:
         self._num_tokens = 0
         self._hold = max((len(s) for s in params.stop or []), default=1) - 1  # see Delta
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         async for i, out in merge_streams(self.streams):
             self.final[i] = out
             total = sum(len(c.token_ids) for o in self.final if o is not None for c in o.outputs)
@@ -223,22 +223,24 @@ class _Run:
 
 async def _collect(run: _Run, raw: Request) -> None:
     try:
-        async for _ in run.outputs():
-            if await raw.is_disconnected():
-                log.info("client gone: aborting %s", run.id)
-                break
+        async with contextlib.aclosing(run.outputs()) as outputs:
+            async for _ in outputs:
+                if await raw.is_disconnected():
+                    log.info("client gone: aborting %s", run.id)
+                    break
     finally:
         run.abort()
         run.finish()
 
 
-async def _events(run: _Run, chunks: AsyncIterator[dict[str, Any]], obj: str) -> AsyncIterator[str]:
+async def _events(run: _Run, chunks: AsyncGenerator[dict[str, Any], None], obj: str) -> AsyncIterator[str]:
     """SSE body: the route's chunks, the usage chunk when asked, [DONE]; errors as an error event."""
     try:
-        async for chunk in chunks:
-            if run.include_usage:
-                chunk["usage"] = None
-            yield _sse(chunk)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if run.include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
         if run.include_usage:
             yield _sse({"id": run.id, "object": obj, "created": run.created, "model": run.model,
                         "choices": [], "usage": run.usage().model_dump()})
@@ -251,7 +253,7 @@ async def _events(run: _Run, chunks: AsyncIterator[dict[str, Any]], obj: str) ->
         run.finish()
 
 
-async def _completion_chunks(run: _Run) -> AsyncIterator[dict[str, Any]]:
+async def _completion_chunks(run: _Run) -> AsyncGenerator[dict[str, Any], None]:
     n, want_lp = run.params.n, run.params.logprobs is not None
     async for i, out in run.outputs():
         for comp in out.outputs:
@@ -261,13 +263,14 @@ async def _completion_chunks(run: _Run) -> AsyncIterator[dict[str, Any]]:
             if step is None:
                 continue
             text, t0, t1 = step
-            lp = proto.completion_logprobs(run.decode, (comp.logprobs or [])[t0:t1], offset) if want_lp else None
+            entries = (comp.logprobs or [])[t0:t1]
+            lp = proto.completion_logprobs(run.decode, entries, offset) if want_lp else None
             yield {"id": run.id, "object": "text_completion", "created": run.created, "model": run.model,
-                   "choices": [{"index": idx, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason,
-                                "stop_reason": comp.stop_reason}]}
+                   "choices": [{"index": idx, "text": text, "logprobs": lp,
+                                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}]}
 
 
-async def _chat_chunks(run: _Run) -> AsyncIterator[dict[str, Any]]:
+async def _chat_chunks(run: _Run) -> AsyncGenerator[dict[str, Any], None]:
     want_lp = run.params.logprobs is not None
 
     def chunk(index: int, delta: dict[str, Any], lp: dict[str, Any] | None = None,
@@ -297,7 +300,7 @@ def _chat_response(run: _Run) -> dict[str, Any]:
     return proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode)
 
 
-# -- app -------------------------------------------------------------------------------------------------------
+# -- app -----------------------------------------------------------------------------------------------------
 def default_served_name(engine: Engine) -> str:
     path = engine.config.model.model
     if path:
@@ -414,7 +417,7 @@ def _add_routes(app: FastAPI, state: _State) -> None:
             return as_api_error(e).response()
 
 
-# -- entry point -----------------------------------------------------------------------------------------------
+# -- entry point ---------------------------------------------------------------------------------------------
 def run_server(model: str | None, engine_kwargs: dict[str, Any], args: Any) -> int:
     """`specserve serve`: load the engine (load errors surface as CLI errors), then serve until Ctrl-C."""
     import uvicorn

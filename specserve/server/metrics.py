@@ -69,8 +69,10 @@ class _EngineCollector:
             c.add_metric(values, float(value))
             return c
 
-        yield gauge("specserve:num_requests_running", "Requests in the running batch.", m.get("num_running", 0))
-        yield gauge("specserve:num_requests_waiting", "Requests waiting to be scheduled.", m.get("num_waiting", 0))
+        yield gauge("specserve:num_requests_running", "Requests in the running batch.",
+                    m.get("num_running", 0))
+        yield gauge("specserve:num_requests_waiting", "Requests waiting to be scheduled.",
+                    m.get("num_waiting", 0))
         yield gauge("specserve:kv_cache_usage_perc", "KV cache usage (1 = full).", m.get("kv_usage", 0.0))
         yield gauge("specserve:spec_decode_k", "Drafts per step chosen by the controller.",
                     m.get("speculative_k", 0))

@@ -354,7 +354,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     tags = [t for x in errors for t in [str(y) for y in x.get("loc", ())][:len(e.get("loc", ())) + 1]
             if _is_union_tag(t)]
     if kind != "value_error" and len(set(tags)) > 1:  # a union: one error per alternative
-        return f"Invalid value for '{path}': {e.get('input')!r} (expected one of: {', '.join(dict.fromkeys(tags))})", param
+        expected = ", ".join(dict.fromkeys(tags))
+        return f"Invalid value for '{path}': {e.get('input')!r} (expected one of: {expected})", param
     return (f"Invalid value for '{path}': {msg}" if raw else msg), param
 
 
@@ -371,6 +372,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[tuple[int, C
                   usage: Usage, decode: Callable[[int], str] | None) -> dict[str, Any]:
     """The non-streamed /v1/chat/completions body."""
     out = [ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                      stop_reason=c.stop_reason, logprobs=chat_logprobs(decode, c.logprobs or []) if decode else None)
+                      stop_reason=c.stop_reason,
+                      logprobs=chat_logprobs(decode, c.logprobs or []) if decode else None)
            for i, c in choices]
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=usage).model_dump()
