@@ -65,3 +65,44 @@ def run_chunks(model: LlamaModel, tokens: list[int], chunks: list[int], block_si
         out.append(model.compute_logits(h))
         pos += n
     return torch.cat(out)
+
+
+def byte_tokenizer(vocab: int = 260):
+    """A byte-level tokenizer: ids 0..255 are bytes, 256 = <s>, 257 = </s>, 258 = <pad>; no merges."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    table = _bytes_to_unicode()
+    vocab_map = {table[b]: b for b in range(256)}
+    raw = RawTokenizer(models.BPE(vocab=vocab_map, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    assert len(tok) <= vocab, len(tok)
+    return tok
+
+
+def save_tiny_checkpoint(path, family: str = "llama", seed: int = 0, layers: int = 2, vocab: int = 260,
+                         **over) -> str:
+    """A tiny random model + byte-level tokenizer saved as an HF dir the loader and tokenizer read."""
+    tok = byte_tokenizer(vocab)
+    over.setdefault("bos_token_id", tok.bos_token_id)
+    over.setdefault("eos_token_id", tok.eos_token_id)
+    model = tiny_hf_model(family, seed=seed, layers=layers, vocab=vocab, **over)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (what ByteLevel pre-tokenization emits)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))

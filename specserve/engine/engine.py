@@ -89,7 +89,7 @@ class Engine:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.runner.arch.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+        if any(type(t) is not int or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         max_tokens = params.check_context(len(prompt_token_ids), self.max_model_len)
         if self.kv.blocks_needed(len(prompt_token_ids) + max_tokens) > self.kv.pool.num_blocks:
@@ -179,6 +179,8 @@ class Engine:
             "num_requests": self.stats.num_requests,
             "num_finished": self.stats.num_finished,
             "num_steps": self.stats.num_steps,
+            "num_prompt_tokens": self.stats.num_prompt_tokens,
+            "num_generated_tokens": self.stats.num_generated_tokens,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

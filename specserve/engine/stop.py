@@ -22,7 +22,9 @@ def append_checked(req: Request, emitted: list[int], detok: IncrementalDetokeniz
         req.all_token_ids.append(tok)
         comp.token_ids.append(tok)
         if logprobs is not None:
-            comp.logprobs = (comp.logprobs or []) + [logprobs[i]]
+            if comp.logprobs is None:
+                comp.logprobs = []
+            comp.logprobs.append(logprobs[i])
         prev_len = len(detok.text)
         detok.add(tok)
         text = detok.text
@@ -40,6 +42,9 @@ def append_checked(req: Request, emitted: list[int], detok: IncrementalDetokeniz
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
         if status is None and req.num_output_tokens >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
+        if status is not None and not isinstance(req.stop_reason, str):
+            detok.flush()  # the stream ends: emit a held-back incomplete character too
+            text = detok.text
         comp.text = text
         if status is not None:
             comp.finish_reason, comp.stop_reason = status.value, req.stop_reason

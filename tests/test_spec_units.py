@@ -1,0 +1,235 @@
+"""Small unit tests of the speculation pieces: n-gram lookup, SpeculativeConfig merging, draft vocabulary check,
+controller math."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specserve.config import EngineConfig, SpecserveError, SpeculativeConfig
+from specserve.spec.controller import LinearCost, SpecController, expected_tokens, ideal_speedup
+from specserve.spec.ngram import NgramProposer, lookup
+from specserve.spec.proposer import ProposeRequest
+from tests.helpers import tiny_hf_model
+
+
+# -- n-gram lookup ---------------------------------------------------------------------------------------------
+def lk(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
+    return lookup(np.asarray(tokens, dtype=np.int64), k, min_n, max_n)
+
+
+@pytest.mark.parametrize("tokens,k,min_n,max_n,expected", [
+    ([1, 2, 3, 4, 1, 2], 2, 1, 3, [3, 4]),  # suffix [1, 2] seen at 0: propose what followed
+    ([1, 2, 3, 4, 1, 2], 5, 1, 3, [3, 4, 1, 2]),  # fewer than k tokens follow the match: all of them
+    ([5, 1, 9, 1, 7, 1], 2, 1, 1, [7, 1]),  # several matches: the most recent earlier occurrence
+    ([1, 2, 8, 3, 2, 9, 1, 2], 1, 1, 2, [8]),  # the longest suffix wins over a more recent shorter one
+    ([1, 2, 8, 3, 2, 9, 1, 2], 1, 1, 1, [9]),  # ... which max_n = 1 takes
+    ([1, 2, 3, 1], 3, 2, 4, []),  # only a 1-gram matches, below min_n
+    ([1, 2, 3, 4], 3, 1, 4, []),  # nothing repeats
+    ([7], 3, 1, 4, []),  # too short to hold a match
+    ([7, 7], 3, 1, 4, [7]),
+    ([4, 4, 4, 4], 2, 1, 2, [4]),  # overlapping match: [4, 4] at 1 is followed by the last token only
+    ([1, 2, 3, 9, 9, 1, 2, 3], 4, 3, 3, [9, 9, 1, 2]),
+])
+def test_ngram_lookup(tokens, k, min_n, max_n, expected):
+    assert lk(tokens, k, min_n, max_n) == expected
+
+
+def test_ngram_lookup_never_matches_the_suffix_itself():
+    tokens = list(range(10, 30))  # all distinct: the suffix's only occurrence is itself
+    for n in range(1, 5):
+        assert lk(tokens, 4, 1, n) == []
+
+
+def test_ngram_proposer_per_request_k():
+    reqs = [ProposeRequest("a", [1, 2, 3, 4, 5, 1, 2], 7, 3, (), None),  # type: ignore[arg-type]
+            ProposeRequest("b", [1, 2, 3, 4, 5, 1, 2], 7, 1, (), None),  # type: ignore[arg-type]
+            ProposeRequest("c", [6, 7, 8], 3, 3, (), None)]  # type: ignore[arg-type]
+    drafts = NgramProposer(1, 4).propose(reqs)
+    assert [d.token_ids for d in drafts] == [[3, 4, 5], [3], []]
+    assert all(d.probs is None for d in drafts)  # one-hot q
+    assert NgramProposer.writes_kv is False
+
+
+# -- SpeculativeConfig.from_args: V0 flags + V1 JSON ---------------------------------------------------------------
+def test_config_off_by_default():
+    cfg = SpeculativeConfig.from_args()
+    assert not cfg.enabled and cfg.method is None
+    assert not EngineConfig.from_kwargs(None).speculative.enabled
+
+
+def test_config_v0_ngram_spelling():
+    cfg = SpeculativeConfig.from_args(speculative_model="[ngram]", num_speculative_tokens=3,
+                                      prompt_lookup_max=6, prompt_lookup_min=2)
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("ngram", None, 3)
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (2, 6)
+    assert SpeculativeConfig.from_args(speculative_method="[ngram]").method == "ngram"
+
+
+def test_config_v0_draft_model_implies_draft():
+    cfg = SpeculativeConfig.from_args(speculative_model="/models/draft", num_speculative_tokens=2)
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft", "/models/draft", 2)
+
+
+def test_config_default_k_per_method():
+    assert SpeculativeConfig.from_args(speculative_method="ngram").num_speculative_tokens == 5
+    assert SpeculativeConfig.from_args(speculative_model="/d").num_speculative_tokens == 4
+    assert SpeculativeConfig.from_args(speculative_method="layer_skip").num_speculative_tokens == 4
+
+
+def test_config_v1_json():
+    cfg = SpeculativeConfig.from_args(speculative_config='{"method": "ngram", "num_speculative_tokens": 4, '
+                                                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == \
+        ("ngram", 4, 2, 5)
+    assert cfg.adaptive
+    cfg = SpeculativeConfig.from_args(speculative_config={"model": "/d", "num_speculative_tokens": 3,
+                                                          "adaptive": False})
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens, cfg.adaptive) == ("draft", "/d", 3, False)
+    cfg = SpeculativeConfig.from_args(speculative_config='{"method": "layer_skip", "draft_layers": 2}')
+    assert (cfg.method, cfg.draft_layers) == ("layer_skip", 2)
+    assert SpeculativeConfig.from_args(speculative_config='{"model": "[ngram]"}').method == "ngram"
+
+
+def test_config_flags_override_json():
+    cfg = SpeculativeConfig.from_args(num_speculative_tokens=2, prompt_lookup_max=7, draft_layers=3,
+                                      speculative_config='{"method": "ngram", "num_speculative_tokens": 6, '
+                                                         '"prompt_lookup_max": 3}')
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.draft_layers) == ("ngram", 2, 7, 3)
+    cfg = SpeculativeConfig.from_args(speculative_method="draft", speculative_model="/flag",
+                                      speculative_config='{"method": "ngram", "model": "/json"}')
+    assert (cfg.method, cfg.model) == ("draft", "/flag")
+
+
+def test_config_through_engine_kwargs():
+    cfg = EngineConfig.from_kwargs(None, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
+                                   speculative_adaptive=False).speculative
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.adaptive) == ("ngram", 3, False)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ('{"method": "ngram", "num_spec_tokens": 3}', r"unknown --speculative-config keys: \['num_spec_tokens'\]"),
+    ('{"method": "ngram", "x": 1, "y": 2}', r"\['x', 'y'\]"),
+    ("{method: ngram}", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"method": "medusa"}', "speculative method must be one of"),
+    ('{"method": "draft"}', "needs a speculative model"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
+    ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"method": "layer_skip", "draft_layers": 0}', "draft_layers must be >= 1"),
+])
+def test_config_errors(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_args(speculative_config=bad)
+
+
+# -- draft model checks at start-up -----------------------------------------------------------------------------
+def test_draft_vocab_mismatch_refused(tmp_path):
+    from specserve.llm import LLM
+    from tests.test_spec_equality import write_char_tokenizer
+
+    target, draft = str(tmp_path / "target"), str(tmp_path / "draft")
+    tiny_hf_model("llama", seed=0, layers=2, vocab=256).save_pretrained(target)
+    write_char_tokenizer(target, 256)
+    tiny_hf_model("llama", seed=1, layers=1, vocab=300).save_pretrained(draft)
+    with pytest.raises(SpecserveError) as e:
+        LLM(target, dtype="float32", device="cpu", num_blocks=8, speculative_model=draft,
+            num_speculative_tokens=2)
+    assert "300" in str(e.value) and "256" in str(e.value)
+    assert "vocabulary" in str(e.value)
+
+
+# -- controller math ---------------------------------------------------------------------------------------------
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)  # 1 + .5 + .25 + .125
+    assert expected_tokens(0.0, 5) == pytest.approx(1.0)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=1e-4)  # alpha clamped just below 1
+    assert expected_tokens(0.8, 4) == pytest.approx(sum(0.8 ** i for i in range(5)))
+    ks = [expected_tokens(0.7, k) for k in range(8)]
+    assert ks == sorted(ks) and ks[-1] < 1 / (1 - 0.7)
+
+
+def test_ideal_speedup():
+    assert ideal_speedup(0.8, 4, 0.0) == pytest.approx(expected_tokens(0.8, 4))
+    assert ideal_speedup(0.8, 4, 0.1) == pytest.approx(expected_tokens(0.8, 4) / 1.4)
+    assert ideal_speedup(0.5, 0, 0.3) == 1.0
+    assert ideal_speedup(0.1, 5, 0.5) < 1.0  # bad drafts that cost something: slower
+
+
+def test_linear_cost_fit():
+    cost = LinearCost()
+    assert cost.predict(10) is None
+    for n in (1, 8, 32, 64):
+        cost.add(n, 0.002 + 0.0005 * n)
+    assert cost.predict(100) == pytest.approx(0.052)
+    assert cost.distinct() == 4
+    flat = LinearCost()
+    flat.add(5, 0.01)
+    flat.add(5, 0.03)
+    assert flat.predict(1000) == pytest.approx(0.02)  # one token count: flat around it
+
+
+def test_acceptance_running_average():
+    c = SpecController(max_k=4, prior_alpha=0.6)
+    assert c.alpha("r") == 0.6
+    c.record_acceptance("r", 4, 2)  # 2 successes, 1 failure: rate 2/3, weight min(1, 0.3 * 3)
+    assert c.alpha("r") == pytest.approx(0.1 * 0.6 + 0.9 * 2 / 3)
+    c.record_acceptance("r", 0, 0)  # no drafts: no observation
+    assert c.alpha("r") == pytest.approx(0.1 * 0.6 + 0.9 * 2 / 3)
+    c.record_acceptance("r", 4, 4)  # 4 successes, no failure: rate 1, weight 1
+    assert c.alpha("r") == pytest.approx(1.0)
+    c.drop("r")
+    assert c.alpha("r") == 0.6
+
+
+def test_choose_k_not_adaptive_is_max_k():
+    c = SpecController(max_k=5, adaptive=False)
+    assert c.choose_k(["a", "b"]) == 5
+    assert c.choose_k([]) == 0
+
+
+def test_choose_k_off_when_speculation_loses():
+    """Compute-bound target (time proportional to tokens) and poor acceptance: k = 0."""
+    c = SpecController(max_k=6)
+    for n in (1, 2, 4, 8, 16, 32, 64, 128):
+        c.record_target(n, 0.001 * n)
+    c.record_draft(4, 0.0005)
+    for r in "abcd":
+        for _ in range(10):
+            c.record_acceptance(r, 6, 0)
+    assert all(c.alpha(r) < 0.05 for r in "abcd")
+    assert c.choose_k(list("abcd")) == 0
+
+
+def test_choose_k_max_when_costs_flat_and_acceptance_high():
+    """Memory-bound target (flat cost), cheap drafts, drafts nearly always accepted: k = max_k."""
+    c = SpecController(max_k=6)
+    for n in (1, 2, 4, 7, 14, 28):
+        c.record_target(n, 0.010)
+    c.record_draft(1, 0.0002)
+    for _ in range(5):
+        c.record_acceptance("a", 6, 6)
+    assert c.choose_k(["a"]) == 6
+
+
+def test_choose_k_depends_on_batch_through_measured_cost():
+    """Same acceptance, target time a + b * tokens: speculation at batch 1, none at batch 64."""
+    c = SpecController(max_k=4)
+    for n in (1, 5, 64, 128, 256, 320):
+        c.record_target(n, 0.010 + 0.001 * n)
+    c.record_draft(1, 0.0005)
+    c.record_draft(64, 0.002)
+    reqs = [f"r{i}" for i in range(64)]
+    for r in reqs:
+        c.record_acceptance(r, 4, 2)
+    assert c.choose_k(reqs[:1]) > 0
+    assert c.choose_k(reqs) == 0
+
+
+def test_choose_k_measures_the_other_extreme_first():
+    """With one token count measured the slope is unknown: alternate between max_k and 0 to measure it."""
+    c = SpecController(max_k=3)
+    c.record_target(4, 0.01)
+    assert c.choose_k(["a"]) == 0  # last_k starts at max_k
+    assert c.choose_k(["a"]) == 3
