@@ -14,11 +14,12 @@ from specserve.config import SpecserveError
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine and speculative flags, vLLM-style names (shared by generate, serve and bench)."""
+    from specserve.platform import DEVICE_CHOICES
     g = p.add_argument_group("engine")
     g.add_argument("--model", dest="model_flag", default=None,
                    help="HF dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", choices=["auto", "cuda", "rocm", "cpu"])
+    g.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=float, default=None,
@@ -98,19 +99,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_env(args: argparse.Namespace) -> int:
     from specserve import platform as plat
 
+    info = plat.runtime_versions()
     try:
-        p = plat.detect(args.device)
-        info = p.describe()
+        info.update(plat.detect(args.device).describe())
     except SpecserveError as e:
-        info = {"error": str(e)}
-    import torch
-
-    info["cuda_available"] = str(torch.cuda.is_available())
-    warning = plat.rocm_warning()
-    if warning:
-        info["warning"] = warning
+        info["error"] = str(e)
     for k, v in info.items():
         print(f"{k:20s} {v}")
+    for w in plat.stack_warnings():
+        print(f"WARNING: {w}", file=sys.stderr)
     return 0
 
 
@@ -137,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.set_defaults(func=cmd_generate)
 
+    from specserve.platform import DEVICE_CHOICES
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL")
     add_engine_args(s)
@@ -148,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("env", help="print platform, versions and chosen backends")
-    e.add_argument("--device", default="auto", choices=["auto", "cuda", "rocm", "cpu"])
+    e.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     e.set_defaults(func=cmd_env)
     return parser
 

@@ -14,6 +14,8 @@ import torch
 
 from specserve.config import SpecserveError
 
+DEVICE_CHOICES = ("auto", "cuda", "rocm", "cpu")
+
 
 @dataclass(frozen=True)
 class Platform:
@@ -111,15 +113,43 @@ def configure_threads() -> None:
     torch.set_num_threads(n)
 
 
-def rocm_warning() -> str | None:
-    """A warning when a ROCm stack is older than 6.0 (kernels and graphs are untested there)."""
+def stack_warnings() -> list[str]:
+    """Loud warnings about a GPU stack that would otherwise fail silently (old ROCm, unusable GPU)."""
+    out = []
     hip = _hip_version()
-    if not hip:
-        return None
+    if hip:
+        try:
+            major = int(str(hip).split(".")[0])
+        except ValueError:
+            major = -1
+        if major < 6:
+            out.append(f"ROCm/HIP {hip} is older than 6.0: specserve's Triton kernels and HIP graphs need "
+                       "ROCm >= 6.0; expect failures or fall back to --device cpu")
+    has_node = any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/kfd"))
+    if has_node and not torch.cuda.is_available():
+        build = "a CPU-only torch build" if not (torch.version.cuda or hip) else "a driver too old for this torch"
+        out.append(f"a GPU device node exists but torch cannot use it ({build}?): running on the CPU")
+    return out
+
+
+def runtime_versions() -> dict[str, str]:
+    """torch, CUDA or HIP runtime, driver (when torch can tell), Triton."""
+    info = {"torch": torch.__version__}
+    if torch.version.cuda:
+        info["cuda_runtime"] = str(torch.version.cuda)
+    if _hip_version():
+        info["hip_runtime"] = str(_hip_version())
+    get_driver = getattr(torch._C, "_cuda_getDriverVersion", None)
+    if torch.cuda.is_available() and get_driver is not None:
+        try:
+            v = int(get_driver())
+            info["driver_api"] = f"{v // 1000}.{v % 1000 // 10}"
+        except Exception:  # noqa: BLE001 - best effort reporting
+            pass
     try:
-        major = int(str(hip).split(".")[0])
-    except ValueError:
-        return f"could not parse HIP version {hip!r}"
-    if major < 6:
-        return f"ROCm/HIP {hip} is older than 6.0: specserve's Triton kernels and HIP graphs need ROCm >= 6.0"
-    return None
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        info["triton"] = "not installed"
+    return info

@@ -12,7 +12,7 @@ Kernel design (flash-attention 2 style online softmax, Dao 2023, arXiv 2307.0869
   at least 16 rows.
 - it walks the request's keys ``BLOCK_N`` at a time up to the causal limit of its last token, gathering
   each key's page through the block table (any page size), with fp32 running max / sum / accumulator.
-- plain ``tl.*`` only (no vendor intrinsics), so the same source compiles for CUDA and ROCm; on CPU the
+- plain ``tl.*`` only (no vendor intrinsics), so the same source compiles for NVIDIA and AMD GPUs; on CPU the
   tests run it under ``TRITON_INTERPRET=1``.
 """
 
@@ -142,7 +142,7 @@ def _tile_sizes(max_query_len: int, group_pad: int, d_pad: int) -> tuple[int, in
 
 
 class TritonAttention:
-    """Paged attention with Triton kernels (CUDA and ROCm alike; CPU only under the interpreter)."""
+    """Paged attention with Triton kernels (NVIDIA and AMD alike; CPU only under the interpreter)."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

@@ -1,0 +1,96 @@
+"""platform.py answers every vendor question; nothing else in the package asks."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+from specserve import platform as plat
+from specserve.config import SpecserveError
+
+
+def test_cpu_platform(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    p = plat.detect("auto")
+    assert (p.kind, p.device.type, p.default_dtype) == ("cpu", "cpu", torch.float32)
+    assert (p.attention_backend, p.supports_graphs, p.dist_backend) == ("torch", False, "gloo")
+    assert plat.detect("cpu").kind == "cpu"
+
+
+def _fake_gpu(monkeypatch, hip: str | None, triton_ok: bool = True):
+    monkeypatch.delenv("SPECSERVE_DEVICE", raising=False)
+    monkeypatch.delenv("SPECSERVE_ATTENTION", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.setattr(plat, "_triton_available", lambda: triton_ok)
+
+
+def test_cuda_platform(monkeypatch):
+    _fake_gpu(monkeypatch, hip=None)
+    p = plat.detect("auto")
+    assert (p.kind, p.device.type, p.default_dtype) == ("cuda", "cuda", torch.bfloat16)
+    assert (p.attention_backend, p.supports_graphs, p.dist_backend) == ("triton", True, "nccl")
+    assert plat.detect("cuda").kind == "cuda"
+    with pytest.raises(SpecserveError, match="targets cuda"):
+        plat.detect("rocm")
+
+
+def test_rocm_platform_same_code_path(monkeypatch):
+    _fake_gpu(monkeypatch, hip="6.2.41133")
+    p = plat.detect("auto")
+    # HIP devices are torch "cuda" devices: one code path, only the label differs.
+    assert (p.kind, p.device.type) == ("rocm", "cuda")
+    assert (p.attention_backend, p.supports_graphs, p.dist_backend) == ("triton", True, "nccl")
+    assert plat.detect("rocm").kind == "rocm"
+    assert plat.stack_warnings() == [] or all("ROCm" not in w for w in plat.stack_warnings())
+
+
+def test_old_rocm_warns(monkeypatch):
+    _fake_gpu(monkeypatch, hip="5.7.1")
+    assert any("older than 6.0" in w for w in plat.stack_warnings())
+
+
+def test_no_triton_falls_back_to_torch_attention(monkeypatch):
+    _fake_gpu(monkeypatch, hip=None, triton_ok=False)
+    assert plat.detect("auto").attention_backend == "torch"
+
+
+def test_env_var_and_errors(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("SPECSERVE_DEVICE", "cpu")
+    assert plat.detect("auto").kind == "cpu"
+    monkeypatch.setenv("SPECSERVE_DEVICE", "cuda")
+    with pytest.raises(SpecserveError, match="no usable GPU"):
+        plat.detect("auto")
+    with pytest.raises(SpecserveError, match="unknown device"):
+        plat.detect("tpu")
+
+
+def test_dtype_resolution():
+    cpu = plat.Platform("cpu", torch.device("cpu"), torch.float32, "torch", False, "gloo")
+    assert plat.resolve_dtype(cpu, "auto") == torch.float32
+    assert plat.resolve_dtype(cpu, "bfloat16") == torch.bfloat16
+
+
+def test_no_vendor_question_outside_platform_module():
+    root = pathlib.Path(__file__).resolve().parents[1] / "specserve"
+    pattern = re.compile(r"\bhip\b|rocm|torch\.version", re.IGNORECASE)
+    offenders = []
+    for f in root.rglob("*.py"):
+        if f.name == "platform.py" and f.parent == root:
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{f.relative_to(root)}:{i}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_vendor_only_imports():
+    root = pathlib.Path(__file__).resolve().parents[1] / "specserve"
+    bad = re.compile(r"^\s*(import|from)\s+(flash_attn|xformers|vllm|apex|cupy)\b", re.MULTILINE)
+    assert not [f for f in root.rglob("*.py") if bad.search(f.read_text())]
