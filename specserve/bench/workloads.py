@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import hashlib
-import importlib.util
 import json
 import os
 import platform
@@ -167,14 +167,16 @@ class _Def:
 
 
 def _module_source(name: str) -> tuple[str, str]:
-    """(source text, path relative to the stdlib dir), read from the file without importing the module."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        raise FileNotFoundError(f"no Python source for stdlib module {name}")
-    with open(spec.origin, encoding="utf-8") as f:
-        text = f.read()
-    rel = os.path.relpath(spec.origin, sysconfig.get_paths()["stdlib"]).replace(os.sep, "/")
-    return text, rel
+    """(source text, path relative to the stdlib dir), read from the file: no import, and frozen modules
+    (posixpath, ...) are found too."""
+    root = sysconfig.get_paths()["stdlib"]
+    base = name.replace(".", "/")
+    for rel in (f"{base}.py", f"{base}/__init__.py"):
+        path = os.path.join(root, rel)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read(), rel
+    raise FileNotFoundError(f"no Python source for stdlib module {name} under {root}")
 
 
 def _defs(module: str) -> Iterator[_Def]:
@@ -240,9 +242,9 @@ def build_code() -> list[Item]:
 
     items = []
     for i, d in enumerate(_select(CODE_MODULES, keep, per=3, limit=NUM_CODE)):
-        stub = ast.FunctionDef(name=d.node.name, args=d.node.args, body=[d.node.body[0]],
-                               decorator_list=[], returns=d.node.returns, type_comment=None, type_params=[])
-        sig = ast.unparse(ast.fix_missing_locations(stub))
+        stub = copy.copy(d.node)  # shallow: only the body and decorators are replaced
+        stub.body, stub.decorator_list = [d.node.body[0]], []
+        sig = ast.unparse(stub)
         where = f"method `{d.qualname}`" if "." in d.qualname else f"function `{d.qualname}`"
         text = (f"Implement the body of the {where} from the Python standard library module "
                 f"`{d.module}`. Reply with the complete function in one Python code block.\n\n"
@@ -317,11 +319,12 @@ def build_edit() -> list[Item]:
     items: list[Item] = []
     for d in _select(CODE_MODULES, keep, per=2, limit=4 * NUM_EDIT):
         task = EDIT_TASKS[len(items) % len(EDIT_TASKS)]
-        instr = _edit_instruction(task, d) or _edit_instruction("type_hints", d)
+        instr = _edit_instruction(task, d)
+        if instr is None:  # no parameter to rename / no docstring to strip
+            task, instr = "type_hints", _edit_instruction("type_hints", d)
         text = (f"{instr} Reply with the full rewritten function in one Python code block.\n\n"
                 f"```python\n{_segment(d)}\n```")
-        items.append(Item(f"edit-{len(items):03d}", _user(text), source=d.provenance,
-                          task=task if instr == _edit_instruction(task, d) else "type_hints"))
+        items.append(Item(f"edit-{len(items):03d}", _user(text), source=d.provenance, task=task))
         if len(items) == NUM_EDIT:
             break
     return items

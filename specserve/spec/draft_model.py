@@ -87,18 +87,18 @@ class DraftModelProposer:
         q = torch.softmax(processed, dim=-1)
         noise = torch.empty_like(q)
         for j, r in enumerate(reqs):
-            noise[j].exponential_(generator=self._generator(r))
+            noise[j].exponential_(generator=self._generator(r, q.device))
         sampled = (q / noise).argmax(dim=-1)  # exponential race: an exact sample from q
         greedy = torch.tensor([r.state.params.greedy for r in reqs], device=q.device)
         toks = torch.where(greedy, processed.argmax(dim=-1), sampled)
         return toks.tolist(), q
 
-    def _generator(self, r: ProposeRequest) -> torch.Generator | None:
+    def _generator(self, r: ProposeRequest, device: torch.device) -> torch.Generator | None:
         seed = r.state.params.seed
         if seed is None:
             return None
         if r.req_id not in self._generators:
-            g = torch.Generator(device="cpu")
+            g = torch.Generator(device=device)
             g.manual_seed(seed + 0x5EED)
             self._generators[r.req_id] = g
         return self._generators[r.req_id]

@@ -188,9 +188,7 @@ class ModelRunner:
             if self.controller is not None:
                 self.controller.drop(rid)
         for nr in so.new_requests:
-            p = nr.sampling_params
-            gen = torch.Generator(device="cpu").manual_seed(p.seed) if p.seed is not None else None
-            state = RequestSamplingState(p, list(nr.prompt_token_ids), [], gen)
+            state = RequestSamplingState.create(nr.sampling_params, nr.prompt_token_ids, self.device)
             self.requests[nr.req_id] = CachedRequest(state, list(nr.prompt_token_ids), nr.max_tokens,
                                                      nr.spec_enabled)
         for r in so.rows:
