@@ -65,6 +65,9 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[str, Any]] | None = None
+    # Per token: True when it was a draft token the target accepted, False when the target produced it
+    # (a plain step, a recovered token after a rejection, or the bonus token after a full accept).
+    spec_accepted: list[bool] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

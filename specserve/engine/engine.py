@@ -168,8 +168,8 @@ class Engine:
             "elapsed_s": now - group.arrival,
             "num_preemptions": sum(r.num_preemptions for r in group.children),
         }
-        outs = [replace(c, token_ids=list(c.token_ids), logprobs=list(c.logprobs) if c.logprobs else c.logprobs)
-                for c in group.completions]
+        outs = [replace(c, token_ids=list(c.token_ids), spec_accepted=list(c.spec_accepted),
+                        logprobs=list(c.logprobs) if c.logprobs else c.logprobs) for c in group.completions]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics)
 
     # -- introspection --------------------------------------------------------------------------------------

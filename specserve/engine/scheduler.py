@@ -114,7 +114,7 @@ class Scheduler:
         if not req.spec_enabled:
             return 0
         room = req.num_prompt_tokens + req.max_tokens - req.num_computed_tokens - num_new
-        return self.num_lookahead_tokens
+        return max(0, min(self.num_lookahead_tokens, room))
 
     def _sibling_prefilling(self, req: Request) -> bool:
         if req.group_id is None or not self.kv.enable_prefix_caching:

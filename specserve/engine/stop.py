@@ -21,6 +21,7 @@ def append_checked(req: Request, emitted: list[int], detok: IncrementalDetokeniz
         req.output_token_ids.append(tok)
         req.all_token_ids.append(tok)
         comp.token_ids.append(tok)
+        comp.spec_accepted.append(i < len(emitted) - 1)  # all but the last emitted token were drafts
         if logprobs is not None:
             if comp.logprobs is None:
                 comp.logprobs = []
