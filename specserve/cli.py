@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=256)
     s.set_defaults(func=cmd_serve)
 
+    from specserve.bench import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
+
     e = sub.add_parser("env", help="print platform, versions and chosen backends")
     e.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     e.set_defaults(func=cmd_env)

@@ -157,7 +157,7 @@ class _Def:
     module: str
     qualname: str
     node: ast.FunctionDef | ast.AsyncFunctionDef
-    source: str  # the module's source text
+    lines: list[str]  # the module's source lines (shared by all defs of the module)
     file: str  # relative to the stdlib directory
 
     @property
@@ -183,13 +183,14 @@ def _defs(module: str) -> Iterator[_Def]:
     """Top-level functions and methods of top-level classes, in source order."""
     src, rel = _module_source(module)
     tree = ast.parse(src)
+    lines = src.splitlines(keepends=True)
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield _Def(module, node.name, node, src, rel)
+            yield _Def(module, node.name, node, lines, rel)
         elif isinstance(node, ast.ClassDef):
             for sub in node.body:
                 if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    yield _Def(module, f"{node.name}.{sub.name}", sub, src, rel)
+                    yield _Def(module, f"{node.name}.{sub.name}", sub, lines, rel)
 
 
 def _stable_key(*parts: str) -> str:
@@ -217,10 +218,9 @@ def _select(modules: tuple[str, ...], keep: Callable[[_Def], bool], per: int, li
 
 
 def _segment(d: _Def) -> str:
-    seg = ast.get_source_segment(d.source, d.node) or ""
-    # get_source_segment drops the first line's indentation: restore it, then dedent the whole def.
-    indent = d.source.splitlines()[d.node.lineno - 1][: d.node.col_offset]
-    return textwrap.dedent(indent + seg)
+    """The def's own source text (decorators excluded), dedented."""
+    end = d.node.end_lineno or d.node.lineno
+    return textwrap.dedent("".join(d.lines[d.node.lineno - 1:end]).rstrip("\n") + "\n").rstrip("\n")
 
 
 def _public(d: _Def) -> bool:
@@ -304,7 +304,9 @@ def _edit_instruction(task: str, d: _Def) -> str | None:
     if task == "type_hints":
         return "Add type hints to every parameter and to the return value. Change nothing else."
     if task == "rename_function":
-        return f"Rename the function `{node.name}` to `{node.name.strip('_')}_impl`. Change nothing else."
+        if node.name.startswith("_"):
+            return None
+        return f"Rename the function `{node.name}` to `{node.name}_impl`. Change nothing else."
     if ast.get_docstring(node):  # strip_docs
         return "Remove the docstring and all comments. Keep the code exactly as it is otherwise."
     return None

@@ -71,18 +71,20 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, num_layers: int | None = None, return_prenorm: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden].
 
         ``num_layers`` runs only the first layers (layer-skip self-drafting); ``kv_caches`` then needs only
-        as many entries.
+        as many entries. ``return_prenorm``: also return the last layer's output before the final norm
+        (the features an EAGLE head reads): ``(normed, prenorm)``, both [T, hidden].
         """
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for layer, kv_cache in zip(layers, kv_caches):
             h = h + layer.attn(layer.input_norm(h), positions, self.rope, kv_cache, meta, self.backend)
             h = h + layer.mlp(layer.post_norm(h))
-        return self.norm(h)
+        return (self.norm(h), h) if return_prenorm else self.norm(h)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

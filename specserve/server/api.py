@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server: FastAPI routes, SSE streaming, errors in OpenAI's shape, /metrics.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``), ``GET /v1/models``,
-``GET /health`` (never needs the API key), ``GET /metrics`` (Prometheus text). Every error is
+``GET /health`` (never needs the API key), ``GET /metrics`` (Prometheus text), and from ``server/webui.py``
+``GET /`` (the web UI, open) and ``GET /v1/specserve/stats`` (JSON counters). Every error is
 ``{"error": {"message", "type", "param", "code"}}``; once a stream has started, an error arrives as one
 ``data: {"error": ...}`` event followed by ``data: [DONE]``. A client that disconnects aborts its request
 (the KV blocks are free before the next step).
@@ -42,6 +43,7 @@ from specserve.engine.engine import Engine
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.server import protocol as proto
+from specserve.server import webui
 from specserve.server.metrics import RequestTimer, ServerMetrics
 from specserve.server.protocol import (
     ChatCompletionRequest,
@@ -179,6 +181,7 @@ class _Run:
         self.deltas: dict[int, Delta] = {}
         self._num_tokens = 0
         self._hold = max((len(s) for s in params.stop or []), default=1) - 1  # see Delta
+        self.spec_info: webui.SpecInfo | None = None  # stream_options.include_spec_info (server/webui.py)
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         async for i, out in merge_streams(self.streams):
@@ -265,9 +268,12 @@ async def _completion_chunks(run: _Run) -> AsyncGenerator[dict[str, Any], None]:
             text, t0, t1 = step
             entries = (comp.logprobs or [])[t0:t1]
             lp = proto.completion_logprobs(run.decode, entries, offset) if want_lp else None
+            choice = {"index": idx, "text": text, "logprobs": lp,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            if run.spec_info is not None:
+                choice.update(run.spec_info.fields(idx, out.prompt_token_ids, comp, text, run.deltas[idx].sent))
             yield {"id": run.id, "object": "text_completion", "created": run.created, "model": run.model,
-                   "choices": [{"index": idx, "text": text, "logprobs": lp,
-                                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}]}
+                   "choices": [choice]}
 
 
 async def _chat_chunks(run: _Run) -> AsyncGenerator[dict[str, Any], None]:
@@ -287,7 +293,11 @@ async def _chat_chunks(run: _Run) -> AsyncGenerator[dict[str, Any], None]:
                 continue
             text, t0, t1 = step
             lp = proto.chat_logprobs(run.decode, (comp.logprobs or [])[t0:t1]) if want_lp else None
-            yield chunk(comp.index, {"content": text} if text else {}, lp, comp.finish_reason)
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if run.spec_info is not None:
+                delta.update(run.spec_info.fields(comp.index, out.prompt_token_ids, comp, text,
+                                                  run.deltas[comp.index].sent))
+            yield chunk(comp.index, delta, lp, comp.finish_reason)
 
 
 def _completion_response(run: _Run) -> dict[str, Any]:
@@ -334,6 +344,7 @@ def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None 
         app.add_middleware(_AuthMiddleware, api_key=api_key)
     _add_error_handlers(app)
     _add_routes(app, state)
+    app.include_router(webui.make_router(aengine.get_metrics, state.served_name))  # GET /: the web UI
     return app
 
 
@@ -388,6 +399,7 @@ def _add_routes(app: FastAPI, state: _State) -> None:
         except Exception as e:
             return as_api_error(e, completion_fields).response()
         run = _Run(state, rid, streams, params, body.include_usage)
+        run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         if body.stream:
             return _sse_response(_events(run, _completion_chunks(run), "text_completion"))
         try:
@@ -408,6 +420,7 @@ def _add_routes(app: FastAPI, state: _State) -> None:
         except Exception as e:
             return as_api_error(e, chat_fields).response()
         run = _Run(state, rid, streams, params, body.include_usage)
+        run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         if body.stream:
             return _sse_response(_events(run, _chat_chunks(run), "chat.completion.chunk"))
         try:

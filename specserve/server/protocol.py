@@ -4,7 +4,8 @@ Requests reject unknown top-level fields (``extra="forbid"``) so that a typo is 
 knob. Accepted but ignored OpenAI fields: ``user``, ``logit_bias`` (only when empty), ``best_of`` (only when
 equal to ``n``), ``response_format`` (only ``{"type": "text"}``). Extensions (vLLM names): ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``include_stop_str_in_output``, ``skip_special_tokens`` and ours, ``speculative`` (default true).
+``include_stop_str_in_output``, ``skip_special_tokens`` and ours, ``speculative`` (default true) and
+``stream_options.include_spec_info`` (default false; see ``server/webui.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")  # e.g. include_obfuscation: harmless to ignore
 
     include_usage: bool = False
+    include_spec_info: bool = False  # ours: per-token spec_tokens / spec_accepted in chunks (server/webui.py)
 
 
 class _SamplingRequest(_Strict):

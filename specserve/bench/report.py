@@ -1,0 +1,278 @@
+"""Benchmark outputs: console tables, ``results.json``, ``report.md`` and PNG plots (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+from typing import Any
+
+
+# -- provenance ---------------------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus_available"] = len(os.sched_getaffinity(0))
+    if "torch" in sys.modules:  # never import torch just for this (bench serve does not need it)
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda_available"] = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for pkg in ("specserve", "torch", "transformers", "httpx", "matplotlib"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def header(kind: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The common part of every results.json: what ran, where, with which versions, from which command."""
+    return {"benchmark": kind, "command": [os.path.basename(sys.argv[0]), *sys.argv[1:]], "args": args,
+            "machine": machine_info(), "versions": versions()}
+
+
+def write_json(out_dir: str, doc: dict[str, Any]) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "results.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+    return path
+
+
+def write_text(out_dir: str, name: str, text: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+# -- tables -------------------------------------------------------------------------------------------------
+def _fmt(v: Any, spec: str) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and v != v:  # NaN
+        return "-"
+    return format(v, spec)
+
+
+def table(rows: list[list[str]], headers: list[str], markdown: bool = False) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+OFFLINE_HEADERS = ["batch", "off tok/s", "on tok/s", "ratio", "acc rate", "mean acc len", "k used", "alpha",
+                   "c", "ideal", "model", "eff", "mismatch"]
+
+
+def offline_rows(batches: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for b in batches:
+        rows.append([
+            str(b["batch_size"]), _fmt(b["off_tok_s"], ".2f"), _fmt(b["on_tok_s"], ".2f"), _fmt(b["ratio"], ".3f"),
+            _fmt(b["acceptance_rate"], ".3f"), _fmt(b["mean_acceptance_length"], ".2f"), _fmt(b["k_used"], ".2f"),
+            _fmt(b["alpha"], ".3f"), _fmt(b["c"], ".4f"), _fmt(b["ideal_speedup"], ".2f"),
+            _fmt(b["model_speedup"], ".2f"), _fmt(b["efficiency"], ".2f"),
+            f"{b['mismatches']}/{b['num_requests']}",
+        ])
+    return rows
+
+
+def offline_table(batches: list[dict[str, Any]], markdown: bool = False) -> str:
+    return table(offline_rows(batches), OFFLINE_HEADERS, markdown)
+
+
+OFFLINE_LEGEND = """\
+- **off / on tok/s**: output tokens per second of one `generate` over all requests of the run (prefill
+  included, prefix cache reset before every run), median over repeats; off and on runs interleaved.
+- **ratio** = on / off. **acc rate** = accepted / drafted tokens. **mean acc len** = tokens emitted per
+  verification pass that had drafts (1 + accepted / passes).
+- **k used**: mean drafts per drafting pass (the adaptive controller may use fewer than the maximum, or 0).
+- **alpha**: per-position acceptance of the geometric model, solved from E(alpha, k used) = mean acc len.
+- **c** = T_draft(B) / T_target(B): median measured draft step (per draft token) over median target decode
+  step with exactly B tokens (falls back to the controller's fitted costs).
+- **ideal** = (1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)) with k = k used (verification assumed as cheap as a
+  decode step). **model** = the controller's full cost model: E(alpha, k) T_target(B) / (T_target(B(k+1)) +
+  k T_draft(B)), with the controller's fitted T_target. **eff** = ratio / ideal.
+- **mismatch**: requests whose greedy output with speculation differs from the output without it.
+"""
+
+
+def peer_rows(peer: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, r in peer["modes"].items():
+        agree = "-" if r.get("agree") is None else f"{r['agree']}/{r['num_prompts']}"
+        rows.append([name, _fmt(r["tok_s"], ".2f"), agree])
+    return rows
+
+
+SERVE_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def serve_rows(runs: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """One column per run (e.g. ``spec off``, ``spec on``), one row per figure."""
+    names = list(runs)
+    rows = [
+        ["completed / failed"] + [f"{runs[n]['completed']} / {runs[n]['failed']}" for n in names],
+        ["duration (s)"] + [_fmt(runs[n]["duration_s"], ".2f") for n in names],
+        ["request throughput (req/s)"] + [_fmt(runs[n]["request_throughput"], ".3f") for n in names],
+        ["output throughput (tok/s)"] + [_fmt(runs[n]["output_throughput"], ".2f") for n in names],
+        ["total output tokens"] + [str(runs[n]["total_output_tokens"]) for n in names],
+    ]
+    for m in SERVE_METRICS:
+        for stat in ("mean", "median", "p99"):
+            rows.append([f"{m.upper()} {stat} (ms)"] + [_fmt(runs[n][m][stat], ".1f") for n in names])
+    if len(names) == 2:
+        a, b = (runs[n]["output_throughput"] for n in names)
+        rows.append(["output throughput ratio"] + ["", _fmt(b / a if a else None, ".3f")])
+    return ["metric", *names], rows
+
+
+def serve_table(runs: dict[str, dict[str, Any]], markdown: bool = False) -> str:
+    headers, rows = serve_rows(runs)
+    if markdown:
+        return table(rows, headers, markdown=True)
+    widths = [max(len(headers[0]), *(len(r[0]) for r in rows))] + [
+        max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(1, len(headers))]
+    lines = ["  ".join([headers[0].ljust(widths[0])] + [h.rjust(w) for h, w in zip(headers[1:], widths[1:])])]
+    for r in rows:
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+    return "\n".join(lines)
+
+
+# -- markdown -----------------------------------------------------------------------------------------------
+def _md_header(title: str, doc: dict[str, Any]) -> list[str]:
+    m, v = doc["machine"], doc["versions"]
+    return [f"# {title}", "", f"Command: `{' '.join(doc['command'])}`", "",
+            f"Machine: {m['platform']}, {m['cpu_count']} CPUs"
+            + (f", GPU {m['gpu']}" if m.get("gpu") else "")
+            + f"; Python {m['python']}; " + ", ".join(f"{k} {val}" for k, val in v.items() if val), ""]
+
+
+def offline_markdown(doc: dict[str, Any], plots: list[str]) -> str:
+    lines = _md_header("specserve bench offline", doc)
+    a = doc["args"]
+    lines += [f"Model: `{doc['model']}`; speculation: `{json.dumps(doc['speculative'])}`; dataset "
+              f"`{a['dataset']}` ({doc['num_prompts']} prompts); max_tokens {a['max_tokens']}; "
+              f"repeats {a['repeats']} (medians); greedy.", "", offline_table(doc["batches"], markdown=True), "",
+              OFFLINE_LEGEND]
+    for b in doc["batches"]:
+        for ex in b.get("mismatch_examples", []):
+            lines.append(f"- batch {b['batch_size']}: request {ex['request']} diverges at output token "
+                         f"{ex['position']} (off {ex['off']} vs on {ex['on']})")
+    if doc.get("peer"):
+        p = doc["peer"]
+        lines += ["", "## Peer: HF transformers `generate` (batch 1, greedy, same prompts)", "",
+                  table(peer_rows(p), ["engine", "tok/s", "same tokens as specserve (off)"], markdown=True), ""]
+        lines += [f"- {n}" for n in p.get("notes", [])]
+    lines += [""] + [f"![{os.path.splitext(os.path.basename(p))[0]}]({os.path.basename(p)})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def serve_markdown(doc: dict[str, Any], plots: list[str]) -> str:
+    lines = _md_header("specserve bench serve", doc)
+    a = doc["args"]
+    lines += [f"Base URL: `{doc.get('base_url')}`; dataset `{a['dataset']}`; request rate {a['request_rate']}; "
+              f"concurrency {a['concurrency']}; {a['num_prompts']} prompts; max_tokens {a['max_tokens']}; "
+              f"streaming.", "", serve_table(doc["runs"], markdown=True), "",
+              "TTFT: time to first content chunk. TPOT: (E2E - TTFT) / (output tokens - 1) per request. ITL: gaps "
+              "between content chunks (one chunk may carry several tokens when drafts are accepted). E2EL: "
+              "request latency. Percentiles over requests (ITL: over all gaps)."]
+    for name, run in doc["runs"].items():
+        if run.get("launch"):
+            lines.append(f"- {name}: `specserve serve {run['launch']}`")
+    lines += [""] + [f"![{os.path.splitext(os.path.basename(p))[0]}]({os.path.basename(p)})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+# -- plots --------------------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_throughput(batches: list[dict[str, Any]], path: str, title: str = "") -> str:
+    plt = _plt()
+    xs = [b["batch_size"] for b in batches]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [b["off_tok_s"] for b in batches], "o-", label="speculation off")
+    ax.plot(xs, [b["on_tok_s"] for b in batches], "s-", label="speculation on")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("batch size (max concurrent requests)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title or "Throughput vs batch size")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance(batches: list[dict[str, Any]], path: str) -> str:
+    """Fraction of drafting passes that accepted draft position i, per batch size."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    n = max(1, len(batches))
+    for j, b in enumerate(batches):
+        per = b.get("acceptance_per_position") or []
+        xs = [i + 1 + (j - (n - 1) / 2) * 0.8 / n for i in range(len(per))]
+        ax.bar(xs, per, width=0.8 / n, label=f"batch {b['batch_size']}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("fraction of drafting passes accepting it")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance per position")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_latency_cdfs(samples: dict[str, dict[str, list[float]]], path: str) -> str:
+    """``samples[run][metric]`` in seconds -> one CDF panel per metric (TTFT, ITL, E2E)."""
+    plt = _plt()
+    metrics = ("ttft", "itl", "e2el")
+    fig, axes = plt.subplots(1, len(metrics), figsize=(13, 3.8))
+    for ax, m in zip(axes, metrics):
+        for run, s in samples.items():
+            xs = sorted(v * 1000 for v in s.get(m, []))
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=run)
+        ax.set_xlabel(f"{m.upper()} (ms)")
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
