@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specserve.config import EngineConfig, SpecserveError, SpeculativeConfig
-from specserve.spec.controller import LinearCost, SpecController, expected_tokens, ideal_speedup
+from specserve.spec.controller import StepCost, SpecController, expected_tokens, ideal_speedup
 from specserve.spec.ngram import NgramProposer, lookup
 from specserve.spec.proposer import ProposeRequest
 from tests.helpers import tiny_hf_model
@@ -157,17 +157,19 @@ def test_ideal_speedup():
     assert ideal_speedup(0.1, 5, 0.5) < 1.0  # bad drafts that cost something: slower
 
 
-def test_linear_cost_fit():
-    cost = LinearCost()
+def test_step_cost_table():
+    cost = StepCost()
     assert cost.predict(10) is None
     for n in (1, 8, 32, 64):
         cost.add(n, 0.002 + 0.0005 * n)
     assert cost.predict(100) == pytest.approx(0.052)
     assert cost.distinct() == 4
-    flat = LinearCost()
+    flat = StepCost()
     flat.add(5, 0.01)
     flat.add(5, 0.03)
     assert flat.predict(1000) == pytest.approx(0.02)  # one token count: flat around it
+    assert cost.predict(20) == pytest.approx(0.002 + 0.0005 * 20)  # interpolated between 8 and 32
+    assert cost.predict(0) == pytest.approx(0.0025)  # below the smallest: its cost
 
 
 def test_acceptance_running_average():

@@ -3,13 +3,14 @@
 Cost model (SPECULATION.md): a step with B decoding requests and k drafts each costs
 ``T_target(B (k + 1) tokens) + k T_draft(B)``, versus ``T_target(B)`` without speculation; it emits
 ``sum_i E(alpha_i, k)`` tokens with ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` (Leviathan et al. 2023, eq. 1).
-We pick the k that maximises tokens per second. ``T_target`` is fitted online as ``a + b * tokens`` from
-the steps actually run; ``T_draft`` per draft step likewise. Speculation is therefore turned off by
+We pick the k that maximises tokens per second. ``T_target`` is measured online, a small table by token
+count over the steps actually run; ``T_draft`` per draft step by batch size likewise. Speculation is therefore turned off by
 measurement (large batches make the target compute-bound), never by a fixed batch threshold.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 
@@ -27,33 +28,52 @@ def ideal_speedup(alpha: float, k: int, c: float) -> float:
     return expected_tokens(alpha, k) / (1 + k * c)
 
 
-class LinearCost:
-    """Online least-squares fit of time = a + b * tokens over the most recent samples."""
+class StepCost:
+    """Measured step time by token count: a small table (mean of the recent samples per exact count),
+    interpolated between measured counts and extrapolated linearly past the largest ones.
 
-    def __init__(self, window: int = 256) -> None:
-        self.samples: deque[tuple[float, float]] = deque(maxlen=window)
+    NOTE: a straight-line fit over all steps is dominated by prefill-sized counts and mispredicts the
+    small decode/verify counts the controller compares; a table measures exactly those.
+    """
+
+    def __init__(self, per_count: int = 16) -> None:
+        self.per_count = per_count
+        self._samples: dict[int, deque[float]] = {}
+        self._mean: dict[int, float] = {}
+        self._keys: list[int] = []  # sorted measured counts
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.samples.append((float(tokens), seconds))
+        q = self._samples.get(tokens)
+        if q is None:
+            q = self._samples[tokens] = deque(maxlen=self.per_count)
+            bisect.insort(self._keys, tokens)
+        q.append(seconds)
+        self._mean[tokens] = sum(q) / len(q)
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return sum(len(q) for q in self._samples.values())
 
     def distinct(self) -> int:
-        return len({x for x, _ in self.samples})
+        return len(self._keys)
 
     def predict(self, tokens: float) -> float | None:
-        if not self.samples:
+        keys = self._keys
+        if not keys:
             return None
-        n = len(self.samples)
-        mx = sum(x for x, _ in self.samples) / n
-        my = sum(y for _, y in self.samples) / n
-        var = sum((x - mx) ** 2 for x, _ in self.samples)
-        if var < 1e-9:  # one token count seen so far: assume memory-bound (flat) around it
-            return my
-        b = max(sum((x - mx) * (y - my) for x, y in self.samples) / var, 0.0)
-        a = my - b * mx
-        return max(a + b * tokens, 1e-6)
+        i = bisect.bisect_left(keys, tokens)
+        if i < len(keys) and keys[i] == tokens:
+            return self._mean[keys[i]]
+        if i == 0:  # below every measurement: the smallest measured count (costs only grow with tokens)
+            return self._mean[keys[0]]
+        if i == len(keys):  # above: extend the slope of the two largest measurements (never negative)
+            if len(keys) == 1:
+                return self._mean[keys[0]]
+            x0, x1 = keys[-2], keys[-1]
+            y0, y1 = self._mean[x0], self._mean[x1]
+            return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (tokens - x1)
+        x0, x1 = keys[i - 1], keys[i]
+        y0, y1 = self._mean[x0], self._mean[x1]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
 class SpecController:
@@ -65,8 +85,8 @@ class SpecController:
         self.adaptive = adaptive
         self.prior_alpha = prior_alpha
         self.explore_every = explore_every
-        self.target_cost = LinearCost()
-        self.draft_cost = LinearCost()
+        self.target_cost = StepCost()
+        self.draft_cost = StepCost()
         self._alpha: dict[str, float] = {}
         self._step = 0
         self.last_k = max_k
