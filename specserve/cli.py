@@ -144,11 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-queue", type=int, default=256)
+    s.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted (400 past it, before JSON parsing; default 1 MiB)")
+    s.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt accepted, in tokens (default: only the context length bounds it)")
+    s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
+                   help="on SIGTERM: how long requests in flight may still run before they are aborted")
     s.set_defaults(func=cmd_serve)
 
     from specserve.bench import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
+
+    from specserve.distill.cli import add_distill_parser
+
+    add_distill_parser(sub)
 
     e = sub.add_parser("env", help="print platform, versions and chosen backends")
     e.add_argument("--device", default="auto", choices=DEVICE_CHOICES)

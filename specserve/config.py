@@ -166,7 +166,9 @@ class SpeculativeConfig:
         if model == "[ngram]":
             method, model = "ngram", None
         if method is None and model:
-            method = "draft"
+            from specserve.model.eagle_head import is_eagle_dir
+
+            method = "eagle" if is_eagle_dir(model) else "draft"
         if method is None:
             return SpeculativeConfig()
         if k is None:

@@ -134,7 +134,7 @@ def stack_warnings() -> list[str]:
 
 def runtime_versions() -> dict[str, str]:
     """torch, CUDA or HIP runtime, driver (when torch can tell), Triton."""
-    info = {"torch": torch.__version__}
+    info: dict[str, str] = {"torch": str(torch.__version__)}
     if torch.version.cuda:
         info["cuda_runtime"] = str(torch.version.cuda)
     if _hip_version():

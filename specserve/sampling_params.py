@@ -72,6 +72,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            # NOTE: torch generators take at most 64 bits; a larger seed failed the whole engine step.
+            if not -(2**63) <= self.seed < 2**63:
+                raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

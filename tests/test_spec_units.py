@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specserve.config import EngineConfig, SpecserveError, SpeculativeConfig
-from specserve.spec.controller import StepCost, SpecController, expected_tokens, ideal_speedup
+from specserve.spec.controller import SpecController, StepCost, expected_tokens, ideal_speedup
 from specserve.spec.ngram import NgramProposer, lookup
 from specserve.spec.proposer import ProposeRequest
 from tests.helpers import tiny_hf_model

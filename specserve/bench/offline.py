@@ -126,6 +126,17 @@ def cost_tap(controller) -> Iterator[tuple[list, list]]:
         del controller.record_target, controller.record_draft  # back to the class methods
 
 
+def reset_controller(llm, adaptive: bool | None = None) -> None:
+    """A fresh controller (no fitted costs, no acceptance history), adaptive or fixed-k, on the loaded
+    engine: lets one process compare adaptive on and off without reloading the model."""
+    from specserve.spec.controller import SpecController
+
+    runner = llm.engine.runner
+    if runner.controller is not None:
+        old = runner.controller
+        runner.controller = SpecController(old.max_k, old.adaptive if adaptive is None else adaptive)
+
+
 def set_batch_size(llm, batch_size: int) -> None:
     sched = llm.engine.scheduler
     sched.config = dataclasses.replace(sched.config, max_num_seqs=batch_size)
@@ -163,9 +174,9 @@ def _mismatches(off: list[Run], on: list[Run]) -> tuple[int, list[dict[str, Any]
     ref = off[0].outputs
     bad: dict[int, dict[str, Any]] = {}
     for run in on + off[1:]:
-        for i, (a, b) in enumerate(zip(ref, run.outputs)):
+        for i, (a, b) in enumerate(zip(ref, run.outputs, strict=True)):
             if a != b and i not in bad:
-                pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                pos = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
                 bad[i] = {"request": i, "position": pos, "off": a[pos:pos + 3], "on": b[pos:pos + 3],
                           "speculative": run.speculative}
     return len(bad), [bad[i] for i in sorted(bad)][:5]
@@ -309,7 +320,7 @@ def run_hf_peer(model_path: str | None, spec: dict[str, Any], prompts: list[list
         res["modes"]["specserve on (batch 1)"] = {"tok_s": batch1["on_tok_s"], "agree": None,
                                                   "num_prompts": len(prompts)}
     for name in modes:
-        agree = sum(strip(a) == strip(b) for a, b in zip(outs[name], reference))
+        agree = sum(strip(a) == strip(b) for a, b in zip(outs[name], reference, strict=True))
         res["modes"][name] = {"tok_s": statistics.median(tok_s[name]), "agree": agree,
                               "num_prompts": len(prompts), "runs_tok_s": tok_s[name]}
     return res

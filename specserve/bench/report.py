@@ -79,13 +79,13 @@ def table(rows: list[list[str]], headers: list[str], markdown: bool = False) -> 
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         return "\n".join(lines)
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
-    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    out = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(out)
 
 
-OFFLINE_HEADERS = ["batch", "off tok/s", "on tok/s", "ratio", "acc rate", "mean acc len", "k used", "alpha",
-                   "c", "ideal", "model", "eff", "mismatch"]
+OFFLINE_HEADERS = ["batch", "off tok/s", "on tok/s", "ratio", "acc rate", "mean acc len", "drafted", "k used",
+                   "alpha", "c", "ideal", "model", "eff", "mismatch"]
 
 
 def offline_rows(batches: list[dict[str, Any]]) -> list[list[str]]:
@@ -93,7 +93,9 @@ def offline_rows(batches: list[dict[str, Any]]) -> list[list[str]]:
     for b in batches:
         rows.append([
             str(b["batch_size"]), _fmt(b["off_tok_s"], ".2f"), _fmt(b["on_tok_s"], ".2f"), _fmt(b["ratio"], ".3f"),
-            _fmt(b["acceptance_rate"], ".3f"), _fmt(b["mean_acceptance_length"], ".2f"), _fmt(b["k_used"], ".2f"),
+            _fmt(b["acceptance_rate"], ".3f"), _fmt(b["mean_acceptance_length"], ".2f"),
+            "-" if b["drafting_pass_fraction"] is None else f"{100 * b['drafting_pass_fraction']:.0f}%",
+            _fmt(b["k_used"], ".2f"),
             _fmt(b["alpha"], ".3f"), _fmt(b["c"], ".4f"), _fmt(b["ideal_speedup"], ".2f"),
             _fmt(b["model_speedup"], ".2f"), _fmt(b["efficiency"], ".2f"),
             f"{b['mismatches']}/{b['num_requests']}",
@@ -110,13 +112,16 @@ OFFLINE_LEGEND = """\
   included, prefix cache reset before every run), median over repeats; off and on runs interleaved.
 - **ratio** = on / off. **acc rate** = accepted / drafted tokens. **mean acc len** = tokens emitted per
   verification pass that had drafts (1 + accepted / passes).
-- **k used**: mean drafts per drafting pass (the adaptive controller may use fewer than the maximum, or 0).
+- **drafted**: share of decode passes that verified drafts (the adaptive controller picks k = 0 when its
+  measurements say speculation cannot win; it still probes now and then). **k used**: mean drafts per
+  drafting pass (at most the configured k).
 - **alpha**: per-position acceptance of the geometric model, solved from E(alpha, k used) = mean acc len.
 - **c** = T_draft(B) / T_target(B): median measured draft step (per draft token) over median target decode
   step with exactly B tokens (falls back to the controller's fitted costs).
 - **ideal** = (1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)) with k = k used (verification assumed as cheap as a
   decode step). **model** = the controller's full cost model: E(alpha, k) T_target(B) / (T_target(B(k+1)) +
-  k T_draft(B)), with the controller's fitted T_target. **eff** = ratio / ideal.
+  k T_draft(B)), with the controller's fitted T_target. **eff** = ratio / ideal. ideal and model describe a
+  drafting pass: with "drafted" well below 100% the engine mostly decoded without drafts, and eff can exceed 1.
 - **mismatch**: requests whose greedy output with speculation differs from the output without it.
 """
 
@@ -157,9 +162,9 @@ def serve_table(runs: dict[str, dict[str, Any]], markdown: bool = False) -> str:
         return table(rows, headers, markdown=True)
     widths = [max(len(headers[0]), *(len(r[0]) for r in rows))] + [
         max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(1, len(headers))]
-    lines = ["  ".join([headers[0].ljust(widths[0])] + [h.rjust(w) for h, w in zip(headers[1:], widths[1:])])]
+    lines = ["  ".join([headers[0].ljust(widths[0])] + [h.rjust(w) for h, w in zip(headers[1:], widths[1:], strict=True)])]
     for r in rows:
-        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]))
     return "\n".join(lines)
 
 
@@ -263,11 +268,12 @@ def plot_latency_cdfs(samples: dict[str, dict[str, list[float]]], path: str) -> 
     plt = _plt()
     metrics = ("ttft", "itl", "e2el")
     fig, axes = plt.subplots(1, len(metrics), figsize=(13, 3.8))
-    for ax, m in zip(axes, metrics):
+    for ax, m in zip(axes, metrics, strict=True):
         for run, s in samples.items():
             xs = sorted(v * 1000 for v in s.get(m, []))
-            if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=run)
+            if xs:  # empirical CDF: a step from 0 to 1
+                ax.step([xs[0], *xs], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))], where="post",
+                        label=run)
         ax.set_xlabel(f"{m.upper()} (ms)")
         ax.set_ylabel("CDF")
         ax.grid(alpha=0.3)

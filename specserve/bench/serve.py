@@ -174,7 +174,7 @@ async def run_load(base_url: str, items: list[Item], *, api_key: str | None = No
 
         tasks = []
         t_origin = time.perf_counter()
-        for gap, (path, body) in zip(arrival_gaps(len(bodies), request_rate, seed), bodies):
+        for gap, (path, body) in zip(arrival_gaps(len(bodies), request_rate, seed), bodies, strict=True):
             if gap > 0:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(path, body)))

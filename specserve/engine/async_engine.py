@@ -182,6 +182,11 @@ class AsyncEngine:
         """Thread-safe: the loop thread aborts the request before its next step (its KV is freed then)."""
         self._send("abort", request_id)
 
+    def abort_all(self, error: Exception) -> None:
+        """Thread-safe: the loop thread aborts every request before its next step (KV freed then); each
+        stream raises ``error`` (e.g. a graceful shutdown's grace period is over)."""
+        self._send("abort_all", None, error)
+
     def get_metrics(self) -> dict[str, Any]:
         """The engine's counters as of the end of the latest step (published by the loop thread)."""
         return self._snapshot
@@ -222,6 +227,8 @@ class AsyncEngine:
             if kind == "add":
                 args, loop, fut = rest
                 self._do_add(request_id, args, loop, fut, closing)
+            elif kind == "abort_all":
+                self._fail_all(rest[0])
             else:
                 self._do_abort(request_id)
 

@@ -53,6 +53,9 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 class RotaryEmbedding(nn.Module):
     """Rotate-half (GPT-NeoX layout) rotary embedding with a precomputed cos/sin table."""
 
+    cos: torch.Tensor  # [max_positions, head_dim]
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()

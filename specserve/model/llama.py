@@ -6,6 +6,8 @@ attend over the full context, which is exact for contexts shorter than the windo
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +71,10 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling,
                                     torch.float32 if dtype == torch.float32 else dtype, device)
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, num_layers: int | None = None, return_prenorm: bool = False
@@ -80,7 +86,7 @@ class LlamaModel(nn.Module):
         (the features an EAGLE head reads): ``(normed, prenorm)``, both [T, hidden].
         """
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        layers = self.decoder_layers if num_layers is None else self.decoder_layers[:num_layers]
         for layer, kv_cache in zip(layers, kv_caches):
             h = h + layer.attn(layer.input_norm(h), positions, self.rope, kv_cache, meta, self.backend)
             h = h + layer.mlp(layer.post_norm(h))
@@ -113,7 +119,7 @@ class LlamaModel(nn.Module):
             if not self.arch.tie_word_embeddings:
                 put(self.lm_head, "lm_head.weight")
             put(self.norm.weight, "model.norm.weight")
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.decoder_layers):
                 p = f"model.layers.{i}."
                 a = p + "self_attn."
                 put(layer.attn.qkv, a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")

@@ -156,6 +156,20 @@ def _validate(sd: dict[str, torch.Tensor], arch: ModelArch, where: str) -> dict[
     return {n: sd[n] for n in expected}
 
 
+# Far above any real model: a value past these is a corrupted file, and would make the loader (or the engine)
+# loop or allocate for minutes (a GGUF block_count of 2**32 built a 36-billion-entry shape table: OOM).
+_ARCH_LIMITS = {"num_layers": 4096, "hidden_size": 1 << 20, "intermediate_size": 1 << 22, "num_heads": 1 << 14,
+                "num_kv_heads": 1 << 14, "head_dim": 1 << 14, "vocab_size": 1 << 24,
+                "max_position_embeddings": 1 << 24}
+
+
+def _plausible(arch: ModelArch, where: str) -> ModelArch:
+    for name, limit in _ARCH_LIMITS.items():
+        if (value := getattr(arch, name)) > limit:
+            raise CheckpointError(f"{where}: implausible {name} {value} (more than {limit}; corrupted?)")
+    return arch
+
+
 def _eos_list(*values: Any) -> tuple[int, ...]:
     """Merge eos declarations (int, list of ints or None) in order, without duplicates."""
     out: list[int] = []
@@ -209,7 +223,7 @@ def _read_hf_arch(model_dir: str) -> ModelArch:
     sliding = cfg.get("sliding_window")
     if kind == "llama" or (kind == "qwen2" and not cfg.get("use_sliding_window", False)):
         sliding = None
-    return ModelArch(
+    return _plausible(ModelArch(
         architecture=kind,
         vocab_size=req("vocab_size"),
         hidden_size=hidden,
@@ -227,7 +241,7 @@ def _read_hf_arch(model_dir: str) -> ModelArch:
         sliding_window=int(sliding) if sliding else None,
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
         eos_token_ids=_eos_list(cfg.get("eos_token_id"), gen.get("eos_token_id")),
-    )
+    ), cfg_file)
 
 
 def _hf_weight_files(model_dir: str) -> list[str]:
@@ -427,6 +441,8 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, file: str)
     llama.cpp bakes (factor, low/high_freq_factor, original context) into one divisor per frequency; every
     Llama 3.x release uses low=1, high=4, original=8192, so try that and check it reproduces the table.
     """
+    if factors.shape != (head_dim // 2,):  # NOTE: checked first: head_dim may be a corrupted huge number
+        raise CheckpointError(f"{file}: unsupported rope_freqs.weight (not Llama 3 rope scaling)")
     factor, old = float(factors.max()), 8192.0
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv
@@ -468,7 +484,7 @@ def _gguf_arch(g: _GGUF, f: Any, file: str) -> ModelArch:
             scaling["original_max_position_embeddings"] = int(orig)
     if (freqs := tensors.get("rope_freqs.weight")) is not None:
         scaling = _llama3_scaling(_read_gguf_tensor(f, freqs, file).double().numpy(), theta, head_dim, file)
-    return ModelArch(
+    return _plausible(ModelArch(
         architecture=kind,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -486,7 +502,7 @@ def _gguf_arch(g: _GGUF, f: Any, file: str) -> ModelArch:
         sliding_window=None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_list(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))),
-    )
+    ), file)
 
 
 def _load_gguf(file: str, given: str) -> Checkpoint:

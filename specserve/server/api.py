@@ -16,19 +16,23 @@ import hmac
 import json
 import logging
 import os
+import signal
+import socket
 import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from types import FrameType
 from typing import Any
 
 import anyio
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specserve.config import EngineConfig
 from specserve.engine.async_engine import (
@@ -59,6 +63,8 @@ log = logging.getLogger("specserve.server")
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
+        # NOTE: a message quoting the request may hold lone surrogates, which JSON responses cannot encode.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.info = status, ErrorInfo(message=message, type=type, param=param, code=code)
 
@@ -92,6 +98,27 @@ class _State:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.metrics = ServerMetrics(engine.get_metrics, served_name)
+        self.max_prompt_tokens: int | None = None  # --max-prompt-tokens (None: only the context bounds it)
+        self.draining = False  # set on SIGTERM: /v1 answers 503 while in-flight requests finish
+
+    def check_prompt_tokens(self, num_tokens: int, param: str) -> None:
+        if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:
+            raise APIError(400, f"The prompt has {num_tokens} tokens, more than this server's limit of "
+                                f"{self.max_prompt_tokens} (--max-prompt-tokens).", param=param)
+
+    async def drain(self, grace: float) -> None:
+        """Graceful shutdown: stop taking requests (503), let those in flight finish for up to ``grace``
+        seconds, then end them with an error (a final error event when streaming, else a 503)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.engine.num_requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine.num_requests:
+            log.warning("shutdown grace period (%gs) over: aborting %d request(s)", grace,
+                        self.engine.num_requests)
+            self.engine.abort_all(EngineClosedError(
+                f"the server is shutting down: request aborted after the {grace:g} s grace period"))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_name:
@@ -113,6 +140,66 @@ class _AuthMiddleware:
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+
+
+class _GuardMiddleware:
+    """Before any route runs: 503 on /v1 while draining for shutdown; request bodies are read here, up to
+    ``max_bytes`` (400 past it, before any JSON parsing) and must be UTF-8 when declared JSON (400)."""
+
+    def __init__(self, app: ASGIApp, state: _State, max_bytes: int) -> None:
+        self.app, self.state, self.max_bytes = app, state, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining and scope["path"].startswith("/v1"):
+            err = APIError(503, "The server is shutting down; retry the request elsewhere or later.",
+                           "server_error", code="service_unavailable")
+            await err.response()(scope, receive, send)
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length", "")
+        too_large = declared.isdigit() and int(declared) > self.max_bytes
+        body, more = bytearray(), not too_large
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            too_large = len(body) > self.max_bytes
+            if too_large:
+                break
+        if too_large:
+            size = f"{declared} bytes" if declared.isdigit() else f"more than {self.max_bytes} bytes"
+            err = APIError(400, f"Request body too large ({size}); the limit is {self.max_bytes} bytes "
+                                f"(--max-request-bytes).", code="request_too_large")
+            await err.response()(scope, receive, send)
+            return
+        if "json" in headers.get("content-type", ""):
+            try:
+                bytes(body).decode("utf-8")
+            except UnicodeDecodeError as e:
+                err = APIError(400, f"Invalid JSON body: not valid UTF-8 ({e.reason} at byte {e.start}).")
+                await err.response()(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # then the real channel: disconnects still reach the app
+
+        await self.app(scope, replay, send)
 
 
 class _SSEResponse(StreamingResponse):
@@ -152,12 +239,21 @@ async def _start(state: _State, base_id: str, prompts: list[str | list[int]], pa
                  speculative: bool) -> list[RequestStream]:
     """Add one engine request per prompt; all or nothing (validation errors raise before any streaming)."""
     streams: list[RequestStream] = []
+    if len(prompts) > state.engine.max_queue:  # could never be admitted at once: not a 429 "retry later"
+        raise APIError(400, f"Too many prompts in one request ({len(prompts)}); this server takes at most "
+                            f"{state.engine.max_queue} (--max-queue).", param="prompt")
     try:
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            if isinstance(p, str):
+            if isinstance(p, str) and state.max_prompt_tokens is not None:  # count here to apply the limit
+                ids = state.tokenizer.encode(p)
+                state.check_prompt_tokens(len(ids), "prompt")
+                streams.append(await state.engine.add_request(rid, p, params, prompt_token_ids=ids,
+                                                              speculative=speculative))
+            elif isinstance(p, str):
                 streams.append(await state.engine.add_request(rid, p, params, speculative=speculative))
             else:
+                state.check_prompt_tokens(len(p), "prompt")
                 streams.append(await state.engine.add_request(rid, None, params, prompt_token_ids=p,
                                                               speculative=speculative))
     except BaseException:
@@ -321,7 +417,9 @@ def default_served_name(engine: Engine) -> str:
 
 
 def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None = None,
-               served_model_name: str | None = None, max_queue: int = 256) -> FastAPI:
+               served_model_name: str | None = None, max_queue: int = 256,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_prompt_tokens: int | None = None) -> FastAPI:
     """An app over an engine config (loaded here), a built Engine (the app's AsyncEngine then owns its loop)
     or a shared AsyncEngine (``max_queue`` is then the AsyncEngine's own; the app neither starts a second
     loop nor shuts it down)."""
@@ -330,6 +428,9 @@ def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None 
         engine = Engine(engine)
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_queue=max_queue)
     state = _State(aengine, served_model_name or default_served_name(aengine.engine), owns)
+    if max_request_bytes < 1 or (max_prompt_tokens is not None and max_prompt_tokens < 1):
+        raise ValueError("max_request_bytes and max_prompt_tokens must be >= 1")
+    state.max_prompt_tokens = max_prompt_tokens
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -340,6 +441,7 @@ def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None 
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.specserve = state
+    app.add_middleware(_GuardMiddleware, state=state, max_bytes=max_request_bytes)  # inside auth
     if api_key:
         app.add_middleware(_AuthMiddleware, api_key=api_key)
     _add_error_handlers(app)
@@ -376,6 +478,9 @@ def _add_routes(app: FastAPI, state: _State) -> None:
     async def health() -> Response:
         if not state.engine.is_running:
             return APIError(503, "the engine loop is not running", "server_error").response()
+        if state.draining:
+            return APIError(503, "the server is shutting down", "server_error",
+                            code="service_unavailable").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -413,6 +518,7 @@ def _add_routes(app: FastAPI, state: _State) -> None:
         try:
             state.check_model(body.model)
             ids = state.tokenizer.apply_chat_template([m.template_dict() for m in body.messages])
+            state.check_prompt_tokens(len(ids), "messages")
             max_tokens = body.resolve_max_tokens(len(ids), state.max_model_len)
             params = body.sampling_params(max_tokens, body.num_logprobs())
             rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -431,20 +537,63 @@ def _add_routes(app: FastAPI, state: _State) -> None:
 
 
 # -- entry point ---------------------------------------------------------------------------------------------
-def run_server(model: str | None, engine_kwargs: dict[str, Any], args: Any) -> int:
-    """`specserve serve`: load the engine (load errors surface as CLI errors), then serve until Ctrl-C."""
-    import uvicorn
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
+
+def run_server(model: str | None, engine_kwargs: dict[str, Any], args: Any) -> int:
+    """`specserve serve`: load the engine (load errors surface as CLI errors), then serve until SIGTERM or
+    Ctrl-C (graceful: see `_GracefulServer`)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("specserve").setLevel(logging.INFO)
     engine = Engine(EngineConfig.from_kwargs(model, **engine_kwargs))
     app = create_app(engine, api_key=getattr(args, "api_key", None),
                      served_model_name=getattr(args, "served_model_name", None),
-                     max_queue=getattr(args, "max_queue", 256))
+                     max_queue=getattr(args, "max_queue", 256),
+                     max_request_bytes=getattr(args, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES,
+                     max_prompt_tokens=getattr(args, "max_prompt_tokens", None))
     state: _State = app.state.specserve
     host, port = args.host, args.port
     print(f"specserve: serving {state.served_name!r} at http://{host}:{port}/v1 "
           f"(max_model_len={state.max_model_len})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    grace = getattr(args, "shutdown_grace_seconds", None)
+    grace = DEFAULT_SHUTDOWN_GRACE_S if grace is None else float(grace)
+    if grace < 0:
+        raise ValueError(f"--shutdown-grace-seconds must be >= 0, got {grace}")
+    server = _GracefulServer(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                            timeout_graceful_shutdown=int(grace) + 10), state, grace)
+    server.run()
+    if not server.started:
+        return 1  # uvicorn logged why (e.g. the port is in use)
     return 0
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, plus: on SIGTERM / SIGINT, /v1 answers 503 at once, requests in flight get ``grace`` seconds
+    to finish (then an error event / a 503), uvicorn closes the listening socket and waits for the responses,
+    and the lifespan shutdown stops the engine loop thread. SIGTERM exits 0 (uvicorn would re-raise it after
+    its graceful shutdown, so the process would die of it); a second SIGINT forces the exit."""
+
+    def __init__(self, config: uvicorn.Config, state: _State, grace: float) -> None:
+        super().__init__(config)
+        self.state, self.grace = state, grace
+        self._drain: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM:
+            self.should_exit = True  # NOTE: not recorded in _captured_signals: no re-raise, exit code 0
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        should_exit: bool = await super().on_tick(counter)
+        if should_exit and self._drain is None:
+            self._drain = asyncio.create_task(self.state.drain(self.grace))
+        return should_exit
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if self._drain is not None and not self._drain.done():
+                self._drain.cancel()

@@ -74,6 +74,9 @@ class _EngineCollector:
         yield gauge("specserve:num_requests_waiting", "Requests waiting to be scheduled.",
                     m.get("num_waiting", 0))
         yield gauge("specserve:kv_cache_usage_perc", "KV cache usage (1 = full).", m.get("kv_usage", 0.0))
+        yield gauge("specserve:kv_cache_free_blocks", "KV cache blocks free (prefix-cached ones included).",
+                    m.get("kv_free_blocks", 0))
+        yield gauge("specserve:kv_cache_num_blocks", "KV cache blocks in the pool.", m.get("kv_num_blocks", 0))
         yield gauge("specserve:spec_decode_k", "Drafts per step chosen by the controller.",
                     m.get("speculative_k", 0))
         for name, doc, key in _ENGINE_COUNTERS:

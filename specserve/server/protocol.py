@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -27,6 +27,40 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """JSON may spell lone UTF-16 surrogates (``"\\ud800"``); Python keeps them in str, and the tokenizer
+        (and any response echoing them) then fails with a 500. Refuse them here, as a 400."""
+        bad = _lone_surrogate_path(data, ())
+        if bad is not None:
+            where = ".".join(str(x) for x in bad) or "body"
+            raise ValueError(f"'{where}' contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                             f"escape): strings must be valid Unicode")
+        return data
+
+
+def _lone_surrogate_path(x: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    if isinstance(x, str):
+        if not x.isascii():
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        return None
+    if isinstance(x, dict):
+        for k, v in x.items():
+            found = _lone_surrogate_path(k, path) if isinstance(k, str) else None
+            if found is None:
+                found = _lone_surrogate_path(v, (*path, k))
+            if found is not None:
+                return found
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            if (found := _lone_surrogate_path(v, (*path, i))) is not None:
+                return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -345,7 +379,9 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     param = raw[0] if raw else None
     kind = e.get("type", "")
     if kind == "json_invalid":
-        return f"Invalid JSON body: {(e.get('ctx') or {}).get('error', e.get('msg', ''))}", None
+        why = str((e.get("ctx") or {}).get("error", e.get("msg", "")))
+        where = "" if not raw else f" character {raw[0]}" if why.endswith(" at") else f" at character {raw[0]}"
+        return f"Invalid JSON body: {why}{where}", None
     if not raw and isinstance(e.get("input"), bytes | str):  # not parsed: no JSON content type
         return "Invalid JSON body: send a JSON object with Content-Type: application/json", None
     if kind == "extra_forbidden":

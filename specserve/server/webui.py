@@ -36,7 +36,7 @@ _STATIC = {"webui.css": "text/css; charset=utf-8", "webui.js": "text/javascript;
 
 
 def _static(name: str) -> str:
-    return resources.files("specserve.server").joinpath("static", name).read_text(encoding="utf-8")
+    return resources.files("specserve.server").joinpath("static").joinpath(name).read_text(encoding="utf-8")
 
 
 def make_router(snapshot: Callable[[], dict[str, Any]], model_name: str) -> APIRouter:

@@ -28,14 +28,13 @@ class DraftModelProposer:
     def __init__(self, step: DraftStep, shares_target_kv: bool, vocab_size: int) -> None:
         self.step = step
         self.shares_target_kv = shares_target_kv
-        self.vocab_size = vocab_size
+        self.sampler = DraftSampler(vocab_size)
         # req_id -> (L, drafts fed at positions L, L+1, ...): what the draft cache holds past the history.
         self._fed: dict[str, tuple[int, list[int]]] = {}
-        self._generators: dict[str, torch.Generator] = {}
 
     def drop(self, req_id: str) -> None:
         self._fed.pop(req_id, None)
-        self._generators.pop(req_id, None)
+        self.sampler.drop(req_id)
 
     def _valid_prefix(self, r: ProposeRequest) -> int:
         """Positions below this hold draft KV of the request's actual tokens."""
@@ -54,33 +53,61 @@ class DraftModelProposer:
     def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
         starts = [self._valid_prefix(r) for r in reqs]
         blocks = [r.block_ids for r in reqs]
-        logits = self.step([r.token_ids[s:] for r, s in zip(reqs, starts)], starts, blocks)  # [B, V]
-        drafts: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        active = list(range(len(reqs)))
-        while True:
-            toks, q = self._sample(logits, [reqs[i] for i in active], [drafts[i] for i in active])
-            for j, i in enumerate(active):
-                drafts[i].append(toks[j])
-                if q is not None and not reqs[i].state.params.greedy:
-                    probs[i].append(q[j])
-            active = [i for i in active if len(drafts[i]) < reqs[i].k]
-            if not active:
-                break
-            logits = self.step([[drafts[i][-1]] for i in active],
-                               [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active],
-                               [blocks[i] for i in active])
-        for r, d in zip(reqs, drafts):
-            self._fed[r.req_id] = (len(r.token_ids), d[:-1])  # the last draft was never fed
-        return [Draft(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+        logits = self.step([r.token_ids[s:] for r, s in zip(reqs, starts, strict=True)], starts, blocks)  # [B, V]
 
-    def _sample(self, logits: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]
-                ) -> tuple[list[int], torch.Tensor | None]:
-        """Draft token per request: argmax for greedy requests, a sample from the draft's processed
-        distribution q otherwise (q is returned for exact rejection sampling)."""
+        def advance(rows: list[int], active: list[int], last: list[int], pos: list[int]) -> torch.Tensor:
+            return self.step([[t] for t in last], pos, [blocks[i] for i in active])
+
+        drafts = draft_chain(reqs, logits, self.sampler, advance)
+        for r, d in zip(reqs, drafts, strict=True):
+            self._fed[r.req_id] = (len(r.token_ids), d.token_ids[:-1])  # the last draft was never fed
+        return drafts
+
+
+# (rows of the previous logits kept, still-active request indices, their last draft token, its position)
+# -> [len(active), V] logits after feeding those tokens.
+Advance = Callable[[list[int], list[int], list[int], list[int]], torch.Tensor]
+
+
+def draft_chain(reqs: list[ProposeRequest], logits: torch.Tensor, sampler: DraftSampler,
+                advance: Advance) -> list[Draft]:
+    """Autoregressive drafting shared by the draft-model and EAGLE proposers: sample a draft per request
+    from ``logits`` [B, V], feed it back through ``advance``, until each request has its ``k`` drafts."""
+    drafts: list[list[int]] = [[] for _ in reqs]
+    probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+    active = list(range(len(reqs)))
+    while True:
+        toks, q = sampler.sample(logits, [reqs[i] for i in active], [drafts[i] for i in active])
+        for j, i in enumerate(active):
+            drafts[i].append(toks[j])
+            if q is not None and not reqs[i].state.params.greedy:
+                probs[i].append(q[j])
+        rows = [j for j, i in enumerate(active) if len(drafts[i]) < reqs[i].k]
+        active = [active[j] for j in rows]
+        if not active:
+            break
+        logits = advance(rows, active, [drafts[i][-1] for i in active],
+                         [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active])
+    return [Draft(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs, strict=True)]
+
+
+class DraftSampler:
+    """Draft token per request: argmax for greedy requests, a sample from the draft's processed
+    distribution q otherwise (q is returned for exact rejection sampling). Seeded requests draw from their
+    own generator (seed + 0x5EED), so a seeded request drafts the same alone or in any batch."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._generators: dict[str, torch.Generator] = {}
+
+    def drop(self, req_id: str) -> None:
+        self._generators.pop(req_id, None)
+
+    def sample(self, logits: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]
+               ) -> tuple[list[int], torch.Tensor | None]:
         logits = logits[:, :self.vocab_size]
         states = [RequestSamplingState(r.state.params, r.state.prompt_token_ids,
-                                       r.state.output_token_ids + d, None) for r, d in zip(reqs, drafts)]
+                                       r.state.output_token_ids + d, None) for r, d in zip(reqs, drafts, strict=True)]
         processed = process_logits(logits, states, [1] * len(reqs), [[] for _ in reqs])  # [B, V]
         if all(r.state.params.greedy for r in reqs):
             return processed.argmax(dim=-1).tolist(), None

@@ -24,6 +24,9 @@ class ProposeRequest:
     k: int  # how many drafts to propose (>= 1)
     block_ids: tuple[int, ...]  # KV blocks (draft models share the target's block tables)
     state: RequestSamplingState
+    # EAGLE: (first position, [n, hidden]) target features (pre-norm last-layer hidden states) computed since
+    # the last proposal, for positions first .. num_computed - 1; None for other proposers.
+    features: tuple[int, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specserve.config import CheckpointError, EngineConfig, SpecserveError
 from specserve.model.attention import make_backend
+from specserve.model.eagle_head import EagleHead, load_eagle_head
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import Checkpoint, load_checkpoint
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -22,9 +23,11 @@ from specserve.platform import Platform, resolve_dtype
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
 from specserve.spec.controller import SpecController
 from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.eagle import EagleProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Proposer, ProposeRequest
 from specserve.spec.rejection import verify
+from specserve.worker.features import FeatureBuffer, FeatureSink, eagle_step, sink_features
 from specserve.worker.input_batch import flat_batch
 
 log = logging.getLogger("specserve")
@@ -41,6 +44,7 @@ class CachedRequest:
     max_tokens: int
     spec_enabled: bool
     draft_probs: torch.Tensor | None = None  # [k, V] q of the drafts proposed last step (None: one-hot)
+    features: FeatureBuffer = field(default_factory=FeatureBuffer)  # EAGLE: target features to hand over
 
 
 def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int) -> LlamaModel:
@@ -60,10 +64,16 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or target.arch.max_position_embeddings
         self.block_size = config.cache.block_size
         self.model = build_model(target, platform, self.dtype, self.max_model_len + 64)
-        self.draft_model: LlamaModel | None = None
+        self.draft_model: LlamaModel | EagleHead | None = None
         spec = config.speculative
         if spec.enabled and spec.method == "draft":
             self.draft_model = self._load_draft(spec.model or "")
+        if spec.enabled and spec.method == "eagle":
+            self.draft_model = load_eagle_head(spec.model or "", self.arch, self.model.lm_head, self.dtype,
+                                               self.device, make_backend(platform.attention_backend),
+                                               self.max_model_len + 64)
+        # Receives the target's pre-norm features of every row (EAGLE; `specserve distill` sets its own).
+        self.feature_sink: FeatureSink | None = self._keep_features if spec.method == "eagle" else None
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._alloc_kv(self.model)
         self.draft_kv_caches = self._alloc_kv(self.draft_model) if self.draft_model else []
@@ -115,7 +125,7 @@ class ModelRunner:
                  n * self.block_size, n * per_block / 2**20, draft_note)
         return n
 
-    def _alloc_kv(self, model: LlamaModel | None) -> list[torch.Tensor]:
+    def _alloc_kv(self, model: LlamaModel | EagleHead | None) -> list[torch.Tensor]:
         if model is None:
             return []
         shape = model.kv_cache_shape(self.num_blocks, self.block_size)
@@ -127,9 +137,14 @@ class ModelRunner:
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         if spec.method == "draft":
-            assert self.draft_model is not None
+            assert isinstance(self.draft_model, LlamaModel)
             return DraftModelProposer(self._draft_step(self.draft_model, self.draft_kv_caches, None),
                                       shares_target_kv=False, vocab_size=self.arch.vocab_size)
+        if spec.method == "eagle":
+            assert isinstance(self.draft_model, EagleHead)
+            return EagleProposer(eagle_step(self.model, self.draft_model, self.draft_kv_caches[0],
+                                            self.block_size, self.device),
+                                 self.arch.hidden_size, self.arch.vocab_size)
         if spec.method == "layer_skip":
             layers = spec.draft_layers or max(1, self.arch.num_layers // 4)
             if layers >= self.arch.num_layers:
@@ -155,9 +170,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         fb = flat_batch([r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
                         [r.block_ids for r in rows], self.block_size, self.device)
-        hidden = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.meta)  # [T, hidden]
+        sink = self.feature_sink
+        hidden = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.meta,
+                            return_prenorm=sink is not None)  # [T, hidden]
+        if sink is not None:
+            hidden, prenorm = hidden  # prenorm: [T, hidden] the last layer's output before the final norm
         sample_rows = [r for r in rows if r.needs_sample]
         if not sample_rows:
+            if sink is not None:
+                sink_features(rows, {}, prenorm, sink)
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[self._logits_indices(rows)])  # [sum(k_i + 1), V]
         cached = [self.requests[r.req_id] for r in sample_rows]
@@ -177,8 +198,16 @@ class ModelRunner:
             c.draft_probs = None
             if self.controller is not None:
                 self.controller.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1)
+        sampled = {r.req_id: em for r, em in zip(sample_rows, emitted)}
+        if sink is not None:
+            sink_features(rows, sampled, prenorm, sink)
         spec = self._propose(sample_rows, emitted)
-        return ModelRunnerOutput({r.req_id: em for r, em in zip(sample_rows, emitted)}, spec, logprobs)
+        return ModelRunnerOutput(sampled, spec, logprobs)
+
+    def _keep_features(self, req_id: str, pos: int, h: torch.Tensor) -> None:
+        c = self.requests.get(req_id)
+        if c is not None and c.spec_enabled:
+            c.features.add(pos, h)
 
     def _sync_requests(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -211,7 +240,8 @@ class ModelRunner:
         if all(w is None for w in want):
             return {}
         top_n = max(w or 0 for w in want)
-        row_idx, toks = [], []
+        row_idx: list[int] = []
+        toks: list[int] = []
         start = 0
         for n, em in zip(counts, emitted):
             row_idx.extend(range(start, start + len(em)))
@@ -245,7 +275,8 @@ class ModelRunner:
             cap = min(k, c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
             if cap >= 1:
                 valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
-                reqs.append(ProposeRequest(r.req_id, c.token_ids, valid, cap, r.block_ids, c.state))
+                reqs.append(ProposeRequest(r.req_id, c.token_ids, valid, cap, r.block_ids, c.state,
+                                           c.features.take()))
         if not reqs:
             return {}
         t0 = time.perf_counter()

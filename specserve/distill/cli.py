@@ -1,0 +1,154 @@
+"""`specserve distill`: collect the target's own samples, train a draft, export it, measure held-out acceptance.
+
+    specserve distill --target M --out DIR [--kind {model,head}] [--layers L] [--dataset NAME|FILE]
+                      [--tokens N] [--steps S] [--resume]
+
+DIR gets the draft (``--kind head``: config.json + model.safetensors of an EAGLE head, served with
+``--speculative-method eagle --speculative-model DIR``; ``--kind model``: a normal HF dir with the target's
+tokenizer, served with ``--speculative-model DIR``), ``distill.json`` (command, wall times, data, losses,
+held-out acceptance by k), and the working files ``samples.pt`` (collected data, reused by ``--resume``) and
+``checkpoint.pt`` (trainable weights + optimizer state + step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import Any
+
+from specserve.platform import DEVICE_CHOICES
+
+WORKLOADS = "chat,code,summarize,edit,instructions"
+
+
+def add_distill_parser(sub: Any) -> None:
+    d = sub.add_parser("distill", help="train a draft (EAGLE head or small model) on the target's own samples")
+    d.add_argument("--target", default=None, help="target HF dir or .gguf (default: the embedded demo model)")
+    d.add_argument("--out", required=True, help="output directory")
+    d.add_argument("--kind", choices=["head", "model"], default="head",
+                   help="head: EAGLE head (1 layer over target features); model: standalone small Llama")
+    d.add_argument("--layers", type=int, default=2, help="--kind model: decoder layers of the draft (1-4)")
+    d.add_argument("--dataset", default=WORKLOADS,
+                   help=f"comma-separated workloads ({WORKLOADS}) and/or files (.txt one prompt per line, "
+                        f".json/.jsonl workload format)")
+    d.add_argument("--tokens", type=int, default=32000, help="target-sampled tokens to collect")
+    d.add_argument("--steps", type=int, default=None, help="total optimizer steps (default: --epochs passes)")
+    d.add_argument("--epochs", type=float, default=3.0)
+    d.add_argument("--resume", action="store_true", help="reuse DIR/samples.pt and continue DIR/checkpoint.pt")
+    d.add_argument("--max-tokens", type=int, default=128, help="tokens sampled per prompt")
+    d.add_argument("--temperature", type=float, default=0.8)
+    d.add_argument("--batch", type=int, default=32, help="prompts sampled at once")
+    d.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per training batch")
+    d.add_argument("--lr", type=float, default=3e-3)
+    d.add_argument("--unroll-weight", type=float, default=1.0, help="head: weight of the unrolled 2nd step")
+    d.add_argument("--holdout", type=float, default=0.25, help="fraction of prompts held out for evaluation")
+    d.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="skip longer prompts (the CPU reference attention is slow on long batched contexts)")
+    d.add_argument("--draft-vocab", type=int, default=16384,
+                   help="head: draft among the N most frequent tokens of the data (0: the full vocabulary)")
+    d.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded for acceptance (0: skip)")
+    d.add_argument("--eval-max-tokens", type=int, default=64)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    d.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
+    d.set_defaults(func=cmd_distill)
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    import torch
+
+    from specserve.distill import data as D
+    from specserve.distill.evaluate import acceptance_by_k, format_table
+    from specserve.distill.export import save_hf_model
+    from specserve.distill.train import DraftModelTask, HeadTask, TrainConfig, train
+    from specserve.llm import LLM
+    from specserve.model.eagle_head import save_eagle_head
+
+    if args.kind == "model" and not 1 <= args.layers <= 4:
+        raise ValueError("--layers must be between 1 and 4")
+    torch.manual_seed(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.perf_counter()
+    walls: dict[str, float] = {}
+    engine_kw = {"dtype": args.dtype, "device": args.device}
+    llm = LLM(args.target, max_num_seqs=args.batch, enable_prefix_caching=False, **engine_kw)
+    runner = llm.engine.runner
+    limit = min(args.max_prompt_tokens, llm.engine.max_model_len - args.max_tokens)
+    prompts = [p for p in D.load_prompts(args.dataset, llm.tokenizer) if 0 < len(p.token_ids) <= limit]
+    if not prompts:
+        raise ValueError(f"no prompt of --dataset {args.dataset!r} fits {limit} tokens")
+    train_prompts, held = D.split(prompts, args.holdout)
+    random.Random(args.seed).shuffle(train_prompts)  # every source is sampled, however few tokens are asked
+    random.Random(args.seed + 1).shuffle(held)
+    samples_path = os.path.join(args.out, "samples.pt")
+    t0 = time.perf_counter()
+    samples: list[D.Sample] = []
+    meta_in: dict[str, Any] = {"complete": False, "next_prompt": 0}
+    if args.resume and os.path.exists(samples_path):
+        samples, meta_in = D.load_samples(samples_path)
+        print(f"[distill] reusing {len(samples)} samples from {samples_path}", file=sys.stderr)
+    if not meta_in.get("complete", True):  # fresh, or a collection interrupted part-way
+
+        def save(done: list[D.Sample], next_prompt: int, complete: bool = False) -> None:
+            D.save_samples(samples_path, done, {"dataset": args.dataset, "complete": complete,
+                                                "next_prompt": next_prompt})
+
+        samples = D.collect(llm, train_prompts, args.tokens, args.max_tokens, args.temperature, args.batch,
+                            args.seed, samples=samples, start=int(meta_in.get("next_prompt", 0)), on_batch=save)
+        save(samples, 0, complete=True)
+    walls["collect_s"] = round(time.perf_counter() - t0, 1)
+    num_out = sum(len(s.token_ids) - s.prompt_len for s in samples)
+    num_pos = sum(len(s.token_ids) for s in samples)
+
+    cfg = TrainConfig(steps=0, lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed,
+                      unroll_weight=args.unroll_weight)
+    from specserve.distill.train import make_batches
+
+    cfg.steps = args.steps or max(1, math.ceil(args.epochs * len(make_batches(samples, args.batch_tokens))))
+    if args.kind == "head":
+        rms = float(torch.cat([s.features[::7].float() for s in samples]).pow(2).mean().sqrt())
+        task: HeadTask | DraftModelTask = HeadTask(runner.model, cfg, rms, llm.engine.model_name)
+    else:
+        task = DraftModelTask(runner.model, args.layers)
+    t0 = time.perf_counter()
+    result = train(task, samples, cfg, os.path.join(args.out, "checkpoint.pt"), args.resume)
+    walls["train_s"] = round(time.perf_counter() - t0, 1)
+
+    meta = {"target": llm.engine.model_name, "kind": args.kind, "command": "specserve " + " ".join(sys.argv[1:])
+            if sys.argv[1:2] == ["distill"] else None, "dataset": args.dataset, "num_train_prompts": len(train_prompts),
+            "held_out_prompt_ids": [p.id for p in held], "num_samples": len(samples),
+            "num_generated_tokens": num_out, "num_positions": num_pos, "steps": result["step"],
+            "last_losses": result["history"][-5:]}
+    if args.kind == "head":
+        assert isinstance(task, HeadTask)
+        vocab, coverage = D.draft_vocab(samples, args.draft_vocab, runner.model.arch.vocab_size)
+        meta["draft_vocab_top1_coverage"] = round(coverage, 4)
+        save_eagle_head(task.head, args.out, draft_vocab=vocab)
+    else:
+        assert isinstance(task, DraftModelTask)
+        save_hf_model(task.model, args.out, llm.tokenizer.hf_tokenizer, extra={"specserve_distilled": True})
+    del llm, runner, task
+    gc.collect()
+
+    evaluation = None
+    if args.eval_prompts > 0:
+        eval_set = held or train_prompts
+        ids = [p.token_ids for p in eval_set[:args.eval_prompts]]
+        t0 = time.perf_counter()
+        evaluation = acceptance_by_k(args.target, "eagle" if args.kind == "head" else "draft", args.out, ids,
+                                     args.eval_max_tokens, [1, 2, 3, 4, 5], **engine_kw)
+        evaluation["prompts"] = "held-out" if held else "training (no held-out prompts)"
+        walls["eval_s"] = round(time.perf_counter() - t0, 1)
+        print(format_table(evaluation), file=sys.stderr)
+    walls["total_s"] = round(time.perf_counter() - t_start, 1)
+    with open(os.path.join(args.out, "distill.json"), "w", encoding="utf-8") as f:
+        json.dump({**meta, "wall_time": walls, "evaluation": evaluation}, f, indent=2)
+    print(json.dumps({"out": args.out, "kind": args.kind, "steps": result["step"], "wall_time": walls,
+                      "acceptance_by_k": {r["k"]: r["acceptance_rate"] for r in (evaluation or {}).get("by_k", [])}}))
+    return 0

@@ -1,0 +1,181 @@
+"""Training text for drafts: the target's *own* samples, collected through the engine.
+
+Prompts come from the benchmark workloads (``specserve/bench/workloads.py``: code, summarize, chat, edit), a
+built-in list of everyday instructions (``instructions``), or a user file (``.txt``: one raw prompt per line;
+``.json``/``.jsonl``: the workload formats). A stable hash of each prompt id holds a fraction out for
+evaluation. The engine samples every training prompt (batched, temperature ~0.8); a feature sink on the
+worker captures the target's pre-norm last-layer features for every position as they are computed, so the
+target never runs twice. Soft targets are the target's top-K next-token log-probabilities at every position
+of the sampled continuation (computed once from those features, kept in fp16).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specserve.sampling_params import SamplingParams
+
+_TOPICS = (
+    "volcanoes", "the French Revolution", "black holes", "photosynthesis", "the stock market", "machine learning",
+    "coral reefs", "the Roman Empire", "electric cars", "sleep", "coffee", "the internet", "honey bees",
+    "climate change", "chess", "the human heart", "jazz music", "recycling", "earthquakes", "vaccines",
+    "the moon landing", "solar panels", "ancient Egypt", "rainforests", "bicycles", "the printing press",
+    "democracy", "friendship", "public libraries", "time management", "gardening", "the ocean tides",
+)
+_TEMPLATES = (
+    "Explain {t} in simple terms.", "Write a short paragraph about {t}.", "Give me three facts about {t}.",
+    "What are the pros and cons of {t}?", "Write a short poem about {t}.",
+    "How would you teach a child about {t}?", "Summarize the history of {t} in a few sentences.",
+    "Write a short blog post introduction about {t}.",
+)
+
+
+@dataclass
+class Prompt:
+    id: str
+    token_ids: list[int]
+
+
+@dataclass
+class Sample:
+    """One sampled sequence. Position p's feature is h_p; the soft targets cover p = prompt_len - 1 .. L - 2
+    (the distributions the output tokens were drawn from)."""
+
+    token_ids: list[int]  # prompt + sampled output (L tokens)
+    prompt_len: int
+    features: torch.Tensor  # [L - 1, hidden] fp16: the target's pre-norm features h_0 .. h_{L-2}
+    top_ids: torch.Tensor  # [L - prompt_len, K] int64
+    top_logp: torch.Tensor  # [L - prompt_len, K] fp16
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_ids": self.token_ids, "prompt_len": self.prompt_len, "features": self.features,
+                "top_ids": self.top_ids, "top_logp": self.top_logp}
+
+
+def builtin_instructions() -> list[tuple[str, list[dict[str, str]]]]:
+    return [(f"instructions-{i:03d}", [{"role": "user", "content": tpl.format(t=topic)}])
+            for i, (tpl, topic) in enumerate((tpl, t) for t in _TOPICS for tpl in _TEMPLATES)]
+
+
+def load_prompts(spec: str, tokenizer: Any) -> list[Prompt]:
+    """Comma-separated workload names (code, summarize, chat, edit, instructions) and/or files."""
+    out: list[Prompt] = []
+    for name in [s.strip() for s in spec.split(",") if s.strip()]:
+        if name == "instructions":
+            out += [Prompt(i, tokenizer.apply_chat_template(m)) for i, m in builtin_instructions()]
+        elif name.endswith(".txt") and os.path.isfile(name):
+            with open(name, encoding="utf-8") as f:
+                lines = [ln.rstrip("\n") for ln in f if ln.strip()]
+            out += [Prompt(f"{os.path.basename(name)}:{i}", tokenizer.encode(ln)) for i, ln in enumerate(lines)]
+        else:
+            from specserve.bench.workloads import load_dataset
+
+            for item in load_dataset(name):
+                ids = tokenizer.apply_chat_template(item.messages) if item.messages is not None \
+                    else tokenizer.encode(item.prompt or "")
+                out.append(Prompt(item.id, ids))
+    if not out:
+        raise ValueError(f"--dataset {spec!r} gave no prompts")
+    return out
+
+
+def is_held_out(prompt_id: str, fraction: float) -> bool:
+    h = int(hashlib.sha1(prompt_id.encode()).hexdigest()[:8], 16) / 16**8
+    return h < fraction
+
+
+def split(prompts: list[Prompt], fraction: float) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held out); every prompt goes to training when fraction is 0."""
+    held = [p for p in prompts if is_held_out(p.id, fraction)]
+    train = [p for p in prompts if not is_held_out(p.id, fraction)]
+    return train or prompts, held
+
+
+def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, temperature: float,
+            batch: int, seed: int, top_k: int = 32, samples: list[Sample] | None = None, start: int = 0,
+            on_batch: Callable[[list[Sample], int], None] | None = None) -> list[Sample]:
+    """Sample the target on ``prompts`` (cycling, a new seed each pass) until ``num_tokens`` are generated.
+
+    Continues ``samples`` collected from prompt index ``start`` on (a resumed collection); ``on_batch(samples,
+    next index)`` runs after every batch (the CLI saves a partial ``samples.pt`` there)."""
+    runner = llm.engine.runner
+    chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    def sink(req_id: str, pos: int, h: torch.Tensor) -> None:
+        chunks.setdefault(req_id, []).append((pos, h.detach().float().cpu().clone()))
+
+    prev, runner.feature_sink = runner.feature_sink, sink
+    samples = list(samples or [])
+    generated, i = sum(len(s.token_ids) - s.prompt_len for s in samples), start
+    bar = tqdm(total=num_tokens, initial=min(generated, num_tokens), desc="collect (target samples)", unit="tok")
+    try:
+        while generated < num_tokens:
+            group = [prompts[(i + j) % len(prompts)] for j in range(batch)]
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i + j)
+                      for j in range(batch)]
+            outs = llm.generate(None, params, prompt_token_ids=[p.token_ids for p in group])
+            i += batch
+            for p, o in zip(group, outs, strict=True):
+                s = _sample(runner.model, p.token_ids, o.outputs[0].token_ids, chunks.pop(o.request_id, []), top_k)
+                if s is not None:
+                    samples.append(s)
+                    new = len(s.token_ids) - s.prompt_len
+                    generated += new
+                    bar.update(new)
+            if on_batch is not None:
+                on_batch(samples, i)
+    finally:
+        runner.feature_sink = prev
+        bar.close()
+    return samples
+
+
+def _sample(model: Any, prompt: list[int], output: list[int], parts: list[tuple[int, torch.Tensor]],
+            top_k: int) -> Sample | None:
+    if not output:
+        return None
+    ids = list(prompt) + list(output)
+    parts.sort(key=lambda x: x[0])
+    pos = 0
+    for p, h in parts:
+        if p != pos:
+            raise RuntimeError(f"feature capture is not contiguous (position {p}, expected {pos})")
+        pos += h.shape[0]
+    feats = torch.cat([h for _, h in parts])  # [L - 1, hidden]
+    if feats.shape[0] != len(ids) - 1:
+        raise RuntimeError(f"captured {feats.shape[0]} features for a sequence of {len(ids)} tokens")
+    with torch.inference_mode():
+        h = feats[len(prompt) - 1:].to(model.device, model.dtype)
+        logp = torch.log_softmax(model.compute_logits(model.norm(h)), dim=-1)  # [n_out, V]
+        vals, idx = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+    return Sample(ids, len(prompt), feats.half(), idx.cpu(), vals.half().cpu())
+
+
+def draft_vocab(samples: list[Sample], size: int, vocab_size: int) -> tuple[torch.Tensor | None, float]:
+    """The ``size`` tokens the target most often chose or considered first in the data (sorted ids), and the
+    share of the target's top-1 choices they cover; (None, 1.0) for the full vocabulary."""
+    top1 = torch.cat([s.top_ids[:, 0] for s in samples]).long()
+    if size <= 0 or size >= vocab_size:
+        return None, 1.0
+    counts = torch.bincount(top1, minlength=vocab_size).float() * 4
+    counts += torch.bincount(torch.tensor([t for s in samples for t in s.token_ids]), minlength=vocab_size)
+    ids = counts.argsort(descending=True)[:size].sort().values
+    keep = torch.zeros(vocab_size, dtype=torch.bool)
+    keep[ids] = True
+    return ids, float(keep[top1].float().mean())
+
+
+def save_samples(path: str, samples: list[Sample], meta: dict[str, Any]) -> None:
+    torch.save({"meta": meta, "samples": [s.to_dict() for s in samples]}, path)
+
+
+def load_samples(path: str) -> tuple[list[Sample], dict[str, Any]]:
+    data = torch.load(path, weights_only=True)
+    return [Sample(**s) for s in data["samples"]], data["meta"]

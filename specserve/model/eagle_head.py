@@ -1,0 +1,222 @@
+"""EAGLE draft head (Li et al. 2024, arXiv 2401.15077): one decoder layer over fc([embedding ; feature]).
+
+Entry ``p`` of a sequence reads the embedding of token ``t_p`` and the target's feature ``h_{p-1}`` (its last
+decoder layer's output *before* the final norm; zeros for ``p = 0``) and predicts the feature ``h_p``; the
+target's final norm and LM head turn that prediction into logits for ``t_{p+1}``. Drafting feeds the head
+its own predicted features after the first step.
+
+NOTE: entry ``p`` lives in KV slot ``p`` of the head's one-layer paged cache, which shares the target's block
+tables; it depends on tokens ``<= p`` only, so a prefix-cached block's head entries are the ones this request
+would compute. Embedding, final norm and LM head are the target's: a head directory stores only fc and the
+layer (``config.json`` with ``"specserve_draft": "eagle"`` + ``model.safetensors``, fp16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import CheckpointError, ModelArch, SpecserveError
+from specserve.model.attention import AttentionBackend, AttentionMetadata
+from specserve.model.layers import RotaryEmbedding
+from specserve.model.llama import DecoderLayer
+
+EAGLE_KIND = "eagle"
+_LAYER = "layers.0."
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """The head's shape (its decoder layer is shaped like one of the target's) and the target it serves."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    target: str = ""  # display name of the target it was distilled from (informational)
+    draft_vocab_size: int = 0  # > 0: drafts only among these most frequent tokens (EAGLE-3's reduced vocab)
+
+    @staticmethod
+    def from_target(arch: ModelArch, name: str = "") -> EagleConfig:
+        return EagleConfig(arch.vocab_size, arch.hidden_size, arch.intermediate_size, arch.num_heads,
+                           arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps, arch.rope_theta,
+                           arch.rope_scaling, arch.max_position_embeddings, name)
+
+    def layer_arch(self) -> ModelArch:
+        """One-layer arch (KV sizing reads ``num_layers``, ``num_kv_heads`` and ``head_dim``)."""
+        return ModelArch("llama", self.vocab_size, self.hidden_size, self.intermediate_size, 1,
+                         self.num_attention_heads, self.num_key_value_heads, self.head_dim, self.rms_norm_eps,
+                         self.rope_theta, self.rope_scaling, self.max_position_embeddings)
+
+
+def is_eagle_dir(path: str | None) -> bool:
+    cfg = os.path.join(os.path.expanduser(path or ""), "config.json")
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            return json.load(f).get("specserve_draft") == EAGLE_KIND
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class EagleHead(nn.Module):
+    """fc([embedding ; feature]) ([hidden, 2 hidden] + bias) -> one Llama decoder layer -> predicted feature
+    (pre-norm, on the scale of the target's residual stream)."""
+
+    def __init__(self, cfg: EagleConfig, dtype: torch.dtype, device: torch.device,
+                 backend: AttentionBackend | None, max_positions: int) -> None:
+        super().__init__()
+        self.cfg, self.dtype, self.device, self.backend = cfg, dtype, device, backend
+        self.arch = cfg.layer_arch()
+        h = cfg.hidden_size
+        self.fc = _param(h, 2 * h, dtype=dtype, device=device)
+        self.fc_bias = _param(h, dtype=dtype, device=device)
+        self.layer = DecoderLayer(self.arch, dtype, device)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                    torch.float32 if dtype == torch.float32 else dtype, device)
+        # Reduced draft vocabulary: token ids [M] and the target's LM-head rows for them [M, hidden] (a copy,
+        # counted with the head's weights): the LM head is most of a draft step's cost (49k x 576 on the demo).
+        self.draft_vocab: torch.Tensor | None = None
+        self.draft_lm_head: nn.Parameter | None = None
+
+    def set_draft_vocab(self, ids: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.draft_vocab = ids.to(self.device, torch.long)
+        self.draft_lm_head = nn.Parameter(lm_head[self.draft_vocab].detach().clone(), requires_grad=False)
+
+    def draft_logits(self, normed: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] normed prediction -> [B, vocab] float logits; -inf outside the draft vocabulary."""
+        if self.draft_lm_head is None or self.draft_vocab is None:
+            return F.linear(normed, lm_head).float()
+        out = torch.full((normed.shape[0], lm_head.shape[0]), float("-inf"), device=normed.device)
+        out[:, self.draft_vocab] = F.linear(normed, self.draft_lm_head).float()
+        return out
+
+    def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        # embeds, features: [..., hidden] -> [..., hidden]
+        return F.linear(torch.cat([embeds, features.to(embeds.dtype)], dim=-1), self.fc, self.fc_bias)
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """embeds [T, hidden] of t_p, features [T, hidden] of h_{p-1}, positions [T] -> predicted h_p."""
+        assert self.backend is not None
+        x = self.fuse(embeds, features)
+        layer = self.layer
+        x = x + layer.attn(layer.input_norm(x), positions, self.rope, kv_cache, meta, self.backend)
+        return x + layer.mlp(layer.post_norm(x))
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+
+    # -- weights (HF-style, unfused names) -------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        a, m = self.layer.attn, self.layer.mlp
+        q, k, v = a.qkv.detach().split([a.q_size, a.kv_size, a.kv_size], dim=0)
+        gate, up = m.gate_up.detach().split(m.inter, dim=0)
+        p, sa = _LAYER, _LAYER + "self_attn."
+        return {"fc.weight": self.fc.detach(), "fc.bias": self.fc_bias.detach(),
+                sa + "q_proj.weight": q, sa + "k_proj.weight": k, sa + "v_proj.weight": v,
+                sa + "o_proj.weight": a.o.detach(), p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": m.down.detach(),
+                p + "input_layernorm.weight": self.layer.input_norm.weight.detach(),
+                p + "post_attention_layernorm.weight": self.layer.post_norm.weight.detach()}
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor], where: str) -> None:
+        expected = {n: tuple(t.shape) for n, t in self.hf_state_dict().items()}
+        if missing := [n for n in expected if n not in sd]:
+            raise CheckpointError(f"{where}: missing tensor {missing[0]}")
+        if extra := sorted(set(sd) - set(expected)):
+            raise CheckpointError(f"{where}: unexpected tensor {extra[0]} in an EAGLE head")
+        for n, shape in expected.items():
+            if tuple(sd[n].shape) != shape:
+                raise CheckpointError(f"{where}: tensor {n} has shape {list(sd[n].shape)}, the config implies "
+                                      f"{list(shape)}")
+        a, m, sa, p = self.layer.attn, self.layer.mlp, _LAYER + "self_attn.", _LAYER
+        with torch.no_grad():
+            self.fc.copy_(sd["fc.weight"])
+            self.fc_bias.copy_(sd["fc.bias"])
+            a.qkv.copy_(torch.cat([sd[sa + x + "_proj.weight"] for x in "qkv"]))
+            a.o.copy_(sd[sa + "o_proj.weight"])
+            m.gate_up.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+            m.down.copy_(sd[p + "mlp.down_proj.weight"])
+            self.layer.input_norm.weight.copy_(sd[p + "input_layernorm.weight"])
+            self.layer.post_norm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+
+
+def save_eagle_head(head: EagleHead, out_dir: str, extra: dict[str, Any] | None = None,
+                    draft_vocab: torch.Tensor | None = None) -> None:
+    """config.json + model.safetensors (fp16, the head's own weights only; ``draft_vocab``: int64 ids)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = {"specserve_draft": EAGLE_KIND, "model_type": "specserve_eagle", **asdict(head.cfg),
+           "draft_vocab_size": 0 if draft_vocab is None else int(draft_vocab.numel()),
+           "torch_dtype": "float16", **(extra or {})}
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    tensors = {n: t.to(torch.float16).contiguous().cpu() for n, t in head.hf_state_dict().items()}
+    if draft_vocab is not None:
+        tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous().cpu()
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def read_eagle_config(path: str) -> EagleConfig:
+    file = os.path.join(os.path.expanduser(path), "config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: cannot read the EAGLE head config ({e})") from e
+    if not isinstance(raw, dict) or raw.get("specserve_draft") != EAGLE_KIND:
+        raise SpecserveError(f"{path} is not an EAGLE head (its config.json lacks \"specserve_draft\": "
+                             f"\"eagle\"); make one with `specserve distill --kind head`, or use "
+                             f"--speculative-method draft for a standalone draft model")
+    fields = EagleConfig.__dataclass_fields__
+    try:
+        return EagleConfig(**{k: v for k, v in raw.items() if k in fields})
+    except TypeError as e:
+        raise CheckpointError(f"{file}: incomplete EAGLE head config ({e})") from e
+
+
+def load_eagle_head(path: str, target: ModelArch, lm_head: torch.Tensor, dtype: torch.dtype, device: torch.device,
+                    backend: AttentionBackend, max_positions: int) -> EagleHead:
+    """Read a head dir and check it fits the target (same vocabulary and hidden size); ``lm_head`` is the
+    target's [vocab, hidden] LM head (rows copied for a reduced draft vocabulary)."""
+    from safetensors.torch import load_file
+
+    cfg = read_eagle_config(path)
+    if cfg.vocab_size != target.vocab_size:
+        raise SpecserveError(f"EAGLE head {path} was trained for a vocabulary of {cfg.vocab_size} tokens but the "
+                             f"target has {target.vocab_size}: the head must come from `specserve distill` on "
+                             f"this target (same tokenizer)")
+    if cfg.hidden_size != target.hidden_size:
+        raise SpecserveError(f"EAGLE head {path} reads features of size {cfg.hidden_size} but the target's hidden "
+                             f"size is {target.hidden_size}: it was distilled for another target")
+    file = os.path.join(os.path.expanduser(path), "model.safetensors")
+    try:
+        sd = load_file(file)
+    except Exception as e:
+        raise CheckpointError(f"{file}: cannot read the EAGLE head weights ({type(e).__name__}: {e})") from e
+    head = EagleHead(cfg, dtype, device, backend, max_positions)
+    vocab = sd.pop("draft_vocab", None)
+    head.load_hf_state_dict(sd, file)
+    if vocab is not None:
+        if vocab.dim() != 1 or vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= target.vocab_size:
+            raise CheckpointError(f"{file}: draft_vocab must be token ids below {target.vocab_size}")
+        head.set_draft_vocab(vocab, lm_head)
+    return head.eval()

@@ -1,0 +1,74 @@
+"""Target features for EAGLE drafting (and for `specserve distill`): the last decoder layer's output before
+the final norm, per request, for the positions whose KV the step verified.
+
+A *feature sink* receives ``(req_id, first position, [n, hidden])`` for every row of a step: all computed
+tokens of a prefill chunk, and for a sampling row its real token(s) plus the accepted drafts (the rejected
+drafts' features are as stale as their KV and are dropped here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specserve.model.eagle_head import EagleHead
+from specserve.model.llama import LlamaModel
+from specserve.outputs import ScheduledRequest
+from specserve.spec.eagle import EagleStep
+from specserve.worker.input_batch import flat_batch
+
+FeatureSink = Callable[[str, int, torch.Tensor], None]
+
+
+def sink_features(rows: list[ScheduledRequest], sampled: dict[str, list[int]], prenorm: torch.Tensor,
+                  sink: FeatureSink) -> None:
+    """prenorm: [T, hidden] for the step's flat tokens (rows in order)."""
+    off = 0
+    for r in rows:
+        valid = r.num_tokens
+        if r.req_id in sampled:  # drop the rejected drafts
+            valid = r.num_tokens - r.num_spec_tokens + len(sampled[r.req_id]) - 1
+        if valid > 0:
+            sink(r.req_id, r.num_computed_tokens, prenorm[off:off + valid])
+        off += r.num_tokens
+
+
+class FeatureBuffer:
+    """One request's features since its last proposal: contiguous positions ``first ..``."""
+
+    __slots__ = ("first", "chunks")
+
+    def __init__(self) -> None:
+        self.first = 0
+        self.chunks: list[torch.Tensor] = []
+
+    def add(self, pos: int, h: torch.Tensor) -> None:
+        end = self.first + sum(c.shape[0] for c in self.chunks)
+        if not self.chunks or pos != end:  # first chunk, or a restart (preemption, prefix hit)
+            self.first, self.chunks = pos, []
+        self.chunks.append(h.clone())  # NOTE: a view would keep the step's whole [T, hidden] alive
+
+    def take(self) -> tuple[int, torch.Tensor] | None:
+        if not self.chunks:
+            return None
+        out = (self.first, torch.cat(self.chunks) if len(self.chunks) > 1 else self.chunks[0])
+        self.first += out[1].shape[0]
+        self.chunks = []
+        return out
+
+
+def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size: int,
+               device: torch.device) -> EagleStep:
+    """The head's forward over a flat batch of entries, with the target's embedding, final norm and LM head."""
+    def step(token_ids: list[list[int]], feats: list[torch.Tensor], starts: list[int],
+             block_ids: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        fb = flat_batch(token_ids, starts, block_ids, block_size, device)
+        with torch.inference_mode():
+            embeds = F.embedding(fb.input_ids, target.embed)  # [T, hidden]
+            f = torch.cat(feats).to(device=device, dtype=embeds.dtype)  # [T, hidden]
+            pred = head(embeds, f, fb.positions, kv, fb.meta)  # [T, hidden]
+            last = pred[fb.meta.query_start_loc[1:].long() - 1]  # [B, hidden]
+            return head.draft_logits(target.norm(last), target.lm_head), last
+    return step

@@ -1,0 +1,286 @@
+"""specserve.bench: cost-model figures, deterministic workloads, `bench offline` end to end on a tiny random
+model, and `bench serve` timing against a fake OpenAI streaming server with known delays."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from specserve.bench import offline, report, serve, workloads
+from specserve.cli import main as cli_main
+from specserve.spec.controller import expected_tokens, ideal_speedup
+from tests.helpers import tiny_hf_model
+
+
+# -- cost model on constructed numbers ------------------------------------------------------------------------
+def test_ideal_speedup_and_efficiency():
+    # alpha 0.8, k 4: E = (1 - 0.8^5) / 0.2 = 3.3616; cost 1 + 4 * 0.05 = 1.2
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
+    assert ideal_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
+    assert ideal_speedup(0.0, 4, 0.0) == pytest.approx(1.0)  # nothing accepted, free drafts: no gain
+    assert ideal_speedup(0.9, 0, 0.5) == pytest.approx(1.0)  # k = 0 is plain decoding
+    assert offline.efficiency(2.0, 2.5) == pytest.approx(0.8)
+    assert offline.efficiency(None, 2.5) is None and offline.efficiency(1.0, None) is None
+    for a, k in [(0.3, 3), (0.8, 4), (0.95, 5), (0.6, 2.5)]:  # alpha recovered from the mean length
+        assert offline.alpha_from_length(expected_tokens(a, k), k) == pytest.approx(a, abs=1e-6)
+    assert offline.alpha_from_length(1.0, 4) == 0.0 and offline.alpha_from_length(5.0, 4) == 1.0
+
+
+class _FakeCost:
+    def __init__(self, per_token: float, base: float) -> None:
+        self.per_token, self.base = per_token, base
+
+    def predict(self, tokens: float) -> float:
+        return self.base + self.per_token * tokens
+
+
+class _FakeController:
+    max_k = 4
+    target_cost = _FakeCost(0.0, 0.1)  # memory-bound: verification of k+1 tokens costs one step
+    draft_cost = _FakeCost(0.0, 0.005)
+
+
+def _run(spec: bool, tok_s: float, outputs, drafts=0, drafted=0, accepted=0, per=()):
+    n = sum(len(o) for o in outputs)
+    return offline.Run(spec, 1, n / tok_s, len(outputs), n, outputs,
+                       {"num_drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+                        "accepted_per_position": list(per)},
+                       target_samples=[(1, 0.1), (1, 0.1), (40, 0.3)], draft_samples=[(1, 0.005)])
+
+
+def test_summarize_constructed_runs():
+    outs = [[5, 6, 7, 8] * 5, [9] * 20]
+    off = [_run(False, 10.0, outs), _run(False, 10.0, outs)]
+    on_outs = [outs[0], [9] * 10 + [4] * 10]  # request 1 diverges at output token 10
+    on = [_run(True, 20.0, on_outs, drafts=10, drafted=40, accepted=20, per=(8, 6, 4, 2))] * 2
+    s = offline.summarize(1, off, on, _FakeController())
+    assert s["off_tok_s"] == pytest.approx(10) and s["on_tok_s"] == pytest.approx(20)
+    assert s["ratio"] == pytest.approx(2.0)
+    assert s["acceptance_rate"] == pytest.approx(0.5) and s["mean_acceptance_length"] == pytest.approx(3.0)
+    assert s["k_used"] == pytest.approx(4.0)
+    assert s["c"] == pytest.approx(0.05)  # 0.005 / median of the 1-token target steps
+    # ideal = E(alpha, 4) / (1 + 4 c) with E(alpha, 4) = mean acceptance length = 3.0
+    assert s["ideal_speedup"] == pytest.approx(3.0 / 1.2, rel=1e-6)
+    assert s["efficiency"] == pytest.approx(2.0 / 2.5, rel=1e-6)
+    assert s["model_speedup"] == pytest.approx(3.0 * 0.1 / (0.1 + 4 * 0.005), rel=1e-6)
+    assert s["acceptance_per_position"] == pytest.approx([0.8, 0.6, 0.4, 0.2])
+    assert s["mismatches"] == 1 and s["mismatch_examples"][0]["position"] == 10
+    text = report.offline_table([s])
+    assert "2.000" in text and "1/2" in text
+
+
+# -- workloads ----------------------------------------------------------------------------------------------------
+def test_workloads_deterministic_and_shipped():
+    for name in workloads.BUILDERS:
+        first, second = workloads.dumps(workloads.build(name)), workloads.dumps(workloads.build(name))
+        assert first == second, name
+        doc = json.loads(first)
+        assert doc["num_prompts"] == len(doc["prompts"]) >= 40
+        assert len(first.encode()) < 200_000
+        ids = [p["id"] for p in doc["prompts"]]
+        assert len(set(ids)) == len(ids)
+        for p in doc["prompts"]:
+            assert p["messages"][0]["content"] and p["source"]
+            assert len(p["messages"][0]["content"]) <= workloads.MAX_PROMPT_CHARS + 200
+        path = os.path.join(workloads.WORKLOADS_DIR, f"{name}.json")
+        with open(path, encoding="utf-8") as f:
+            shipped = f.read()
+        if name != "chat" and json.loads(shipped)["python_version"] != doc["python_version"]:
+            continue  # stdlib sources differ between Python versions; rebuild with `-m ...workloads`
+        assert shipped == first, f"{path} is stale: python -m specserve.bench.workloads"
+    assert len(workloads.CHAT_INSTRUCTIONS) >= 50
+
+
+def test_load_dataset_jsonl(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "def f(x):"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    items = workloads.load_dataset(str(path))
+    assert [it.prompt for it in items] == ["def f(x):", None]
+    assert items[1].messages == [{"role": "user", "content": "hi"}]
+    assert serve.request_body(items[0], "auto", "m", 8, 0.0, False)[0] == "/v1/completions"
+    assert serve.request_body(items[1], "auto", "m", 8, 0.0, False)[0] == "/v1/chat/completions"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        workloads.load_dataset(str(bad))
+    with pytest.raises(ValueError, match="built-in"):
+        workloads.load_dataset("no-such-workload")
+
+
+# -- bench offline end to end on a tiny random model ------------------------------------------------------------
+def _write_char_tokenizer(path: str, vocab: int) -> None:
+    """0 <unk>, 1 <s>, 2 </s>, then one token per character: the engine needs a tokenizer in the dir."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(0x20, 0x7F)] + ["\n"]
+    chars += [chr(c) for c in range(0xC0, 0xC0 + vocab - 3 - len(chars))]
+    table = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: 3 + i for i, c in enumerate(chars)}
+    raw = RawTokenizer(models.WordLevel(table, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny_bench") / "model")
+    tiny_hf_model("llama", seed=3, layers=2, vocab=256, initializer_range=0.05).save_pretrained(path)
+    _write_char_tokenizer(path, 256)
+    return path
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """Engines read SPECSERVE_NUM_THREADS; tiny matmuls are fastest (and deterministic) on one thread."""
+    monkeypatch.setenv("SPECSERVE_NUM_THREADS", "1")
+    old = torch.get_num_threads()
+    yield
+    torch.set_num_threads(old)
+
+
+def test_bench_offline_end_to_end(tiny_model, tmp_path, capsys, one_thread):
+    out = tmp_path / "out"
+    rc = cli_main(["bench", "offline", "--model", tiny_model, "--device", "cpu", "--dtype", "float32",
+                   "--num-kv-blocks", "128", "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                   "--dataset", "chat", "--num-prompts", "2", "--batch-sizes", "1,2", "--max-tokens", "12",
+                   "--repeats", "1", "--peer", "hf", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "off tok/s" in printed and "hf prompt_lookup k=3" in printed
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["benchmark"] == "offline" and doc["machine"]["cpu_count"] >= 1
+    assert doc["versions"]["torch"] and doc["command"] and doc["args"]["dataset"] == "chat"
+    assert [b["batch_size"] for b in doc["batches"]] == [1, 2]
+    for b in doc["batches"]:
+        assert b["off_tok_s"] > 0 and b["on_tok_s"] > 0 and b["num_requests"] == 2
+        assert len(b["runs"]) == 2 and b["mismatches"] >= 0
+        if b["k_used"] is not None:
+            assert 0 < b["k_used"] <= 3 and 0 <= b["acceptance_rate"] <= 1
+    peer = doc["peer"]["modes"]
+    assert peer["hf"]["tok_s"] > 0 and peer["hf"]["num_prompts"] == 2
+    assert peer["hf"]["agree"] == 2  # same weights, greedy, fp32: the same tokens as specserve
+    md = (out / "report.md").read_text()
+    assert "| batch |" in md and "throughput.png" in md
+    for png in ("throughput.png", "acceptance_per_position.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- bench serve against a fake OpenAI streaming server ----------------------------------------------------------
+TTFT, ITL = 0.2, 0.05
+
+
+def fake_openai_app():
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def stream(request: Request):
+        body = await request.json()
+        chat = request.url.path.endswith("/chat/completions")
+        n = int(body["max_tokens"])
+
+        async def events():
+            if chat:
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'role': 'assistant'}}]})}\n\n"
+            await asyncio.sleep(TTFT)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(ITL)
+                choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    return Starlette(routes=[Route("/v1/chat/completions", stream, methods=["POST"]),
+                             Route("/v1/completions", stream, methods=["POST"]),
+                             Route("/v1/models", models)])
+
+
+@pytest.fixture(scope="module")
+def fake_server(start_server):
+    srv = start_server(fake_openai_app())  # tests/conftest.py: uvicorn in a thread on a free loopback port
+    yield srv
+    srv.stop()
+
+
+def test_bench_serve_timing(fake_server):
+    items = workloads.load_dataset("chat")[:6]
+    s = asyncio.run(serve.run_load(fake_server.url, items, request_rate=math.inf, concurrency=3, max_tokens=5,
+                                   progress=False))
+    assert s["completed"] == 6 and s["failed"] == 0 and s["model"] == "fake-model"
+    assert s["total_output_tokens"] == 30
+    assert s["ttft"]["mean"] == pytest.approx(TTFT * 1000, rel=0.4)
+    assert s["ttft"]["p99"] == pytest.approx(TTFT * 1000, rel=0.4)
+    assert s["itl"]["mean"] == pytest.approx(ITL * 1000, rel=0.4)
+    assert s["itl"]["median"] == pytest.approx(ITL * 1000, rel=0.4)
+    assert s["tpot"]["mean"] == pytest.approx(ITL * 1000, rel=0.4)
+    assert s["e2el"]["mean"] == pytest.approx((TTFT + 4 * ITL) * 1000, rel=0.4)
+    assert len(s["samples"]["itl"]) == 6 * 4
+    # concurrency 3, 6 requests of ~0.4 s: two waves
+    assert s["duration_s"] == pytest.approx(2 * (TTFT + 4 * ITL), rel=0.4)
+
+
+def test_bench_serve_cli_poisson(fake_server, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(4)))
+    out = tmp_path / "serve"
+    rc = cli_main(["bench", "serve", "--base-url", fake_server.url + "/v1", "--dataset", str(data),
+                   "--num-prompts", "4", "--request-rate", "20", "--max-tokens", "3", "--out", str(out),
+                   "--no-progress"])
+    assert rc == 0
+    assert "TTFT median (ms)" in capsys.readouterr().out
+    doc = json.loads((out / "results.json").read_text())
+    run = doc["runs"]["server"]
+    assert run["completed"] == 4 and run["total_output_tokens"] == 12
+    assert run["ttft"]["mean"] == pytest.approx(TTFT * 1000, rel=0.4)
+    assert [r["start"] for r in run["requests"]] == sorted(r["start"] for r in run["requests"])
+    assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    assert "TTFT" in (out / "report.md").read_text()
+
+
+def test_poisson_gaps_and_flag_stripping():
+    gaps = serve.arrival_gaps(2000, 10.0, seed=1)
+    assert gaps == serve.arrival_gaps(2000, 10.0, seed=1) and gaps[0] == 0.0
+    assert sum(gaps) / (len(gaps) - 1) == pytest.approx(0.1, rel=0.1)
+    assert serve.arrival_gaps(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    args = ["m.gguf", "--speculative-method", "ngram", "--num-speculative-tokens=5", "--max-num-seqs", "8",
+            "--no-speculative-adaptive", "--port", "9000"]
+    assert serve.strip_flags(args, serve.SPEC_VALUE_FLAGS, serve.SPEC_BOOL_FLAGS) == [
+        "m.gguf", "--max-num-seqs", "8", "--port", "9000"]
+    assert serve.strip_flags(args, ("--port",)) == args[:-2]
+    assert serve.percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+
+
+def test_bench_serve_launch_compare_spec(tiny_model, tmp_path, capsys, one_thread):
+    """`--launch ... --compare-spec` starts the real `specserve serve` twice (tiny model), off then on."""
+    out = tmp_path / "launch"
+    launch = f"{tiny_model} --device cpu --num-kv-blocks 128 --speculative-method ngram --num-speculative-tokens 3"
+    rc = cli_main(["bench", "serve", "--launch", launch, "--compare-spec", "--dataset", "chat", "--num-prompts", "4",
+                   "--concurrency", "2", "--max-tokens", "8", "--out", str(out), "--no-progress",
+                   "--launch-timeout", "120"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "spec off" in printed and "spec on" in printed and "output throughput ratio" in printed
+    doc = json.loads((out / "results.json").read_text())
+    off, on = doc["runs"]["spec off"], doc["runs"]["spec on"]
+    assert "--speculative-method" not in off["launch"] and "--speculative-method ngram" in on["launch"]
+    for run in (off, on):
+        assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] > 0
+        assert run["ttft"]["mean"] > 0 and run["e2el"]["p99"] >= run["ttft"]["p99"]
+    assert (out / "server_off.log").exists() and (out / "server_on.log").exists()
+    assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
