@@ -75,11 +75,11 @@ def check_response(status: int, content_type: str, body: bytes, path: str, autho
         events = [line[6:] for line in body.decode("utf-8").splitlines() if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]":
             return f"stream does not end with [DONE]: {events[-2:]!r}"
-        for e in events[:-1]:
+        for event in events[:-1]:
             try:
-                obj = json.loads(e)
+                obj = json.loads(event)
             except ValueError:
-                return f"stream event is not JSON: {e[:200]!r}"
+                return f"stream event is not JSON: {event[:200]!r}"
             if "error" in obj and not _is_error(obj):
                 return f"stream error event not in OpenAI's shape: {obj!r:.300}"
         return None
@@ -91,10 +91,9 @@ def check_response(status: int, content_type: str, body: bytes, path: str, autho
 def fuzz(base_url: str, api_key: str | None, max_examples: int, seed: int = 0,
          timeout: float = 120.0, log: Any = print) -> FuzzReport:
     """Fuzz every operation of ``base_url``/openapi.json; never raises for a bad response (see the report)."""
-    import hypothesis
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis import GenerationMode
+    from schemathesis.core.result import Err
 
     check_loopback(base_url)
     key_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -104,39 +103,50 @@ def fuzz(base_url: str, api_key: str | None, max_examples: int, seed: int = 0,
     variants: list[tuple[dict[str, str], bool]] = [(key_headers, True)]
     if api_key:
         variants += [({}, False), ({"Authorization": "Bearer wrong-key"}, False)]
+    modes: list[Any] = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
     for result in schema.get_all_operations():
+        if isinstance(result, Err):
+            report.problems.append(f"an operation of /openapi.json is invalid: {result.err()}")
+            continue
         op = result.ok()
         label = f"{op.method.upper()} {op.path}"
         report.operations.append(label)
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+        for mode in modes:
             n_before = report.calls
-
-            @settings(max_examples=max_examples, deadline=None, database=None, derandomize=False,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-            @hypothesis.seed(seed)
-            @given(case=op.as_strategy(generation_mode=mode))
-            def run(case: Any) -> None:
-                for headers, authorized in variants:
-                    try:
-                        resp = case.call(base_url=base_url, headers=headers, timeout=timeout)
-                    except Exception as e:  # a dropped connection or a timeout is a finding too
-                        report.problems.append(f"{label} [{mode.value}]: {type(e).__name__}: {e}")
-                        continue
-                    report.calls += 1
-                    report.by_status[resp.status_code] += 1
-                    why = check_response(resp.status_code, resp.headers.get("content-type", ""),
-                                         resp.content, op.path, authorized)
-                    if why is not None:
-                        report.problems.append(f"{label} [{mode.value}] {why}\n    request: "
-                                               f"{case.as_curl_command(headers=headers)[:600]}")
-
-            try:
-                run()
-            except hypothesis.errors.Unsatisfiable:
-                pass  # e.g. no negative examples exist for an operation without parameters
+            _fuzz_operation(op, label, mode, base_url, variants, max_examples, seed, timeout, report)
             log(f"fuzz: {label} [{mode.value}]: {report.calls - n_before} calls")
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _fuzz_operation(op: Any, label: str, mode: Any, base_url: str, variants: list[tuple[dict[str, str], bool]],
+                    max_examples: int, seed: int, timeout: float, report: FuzzReport) -> None:
+    import hypothesis
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=False,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @hypothesis.seed(seed)
+    @given(case=op.as_strategy(generation_mode=mode))
+    def run(case: Any) -> None:
+        for headers, authorized in variants:
+            try:
+                resp = case.call(base_url=base_url, headers=headers, timeout=timeout)
+            except Exception as e:  # a dropped connection or a timeout is a finding too
+                report.problems.append(f"{label} [{mode.value}]: {type(e).__name__}: {e}")
+                continue
+            report.calls += 1
+            report.by_status[resp.status_code] += 1
+            why = check_response(resp.status_code, resp.headers.get("content-type", ""), resp.content, op.path,
+                                 authorized)
+            if why is not None:
+                report.problems.append(f"{label} [{mode.value}] {why}\n    request: "
+                                       f"{case.as_curl_command(headers=headers)[:600]}")
+
+    try:
+        run()
+    except hypothesis.errors.Unsatisfiable:
+        pass  # e.g. no negative examples exist for an operation without parameters
 
 
 def check_healthy_after(base_url: str, api_key: str | None, idle_timeout: float = 60.0) -> list[str]:

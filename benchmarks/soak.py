@@ -514,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drain-timeout", type=float, default=120.0)
     ap.add_argument("--max-rss-growth-mb", type=float, default=200.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the load this many times against the same server (RSS after each round)")
     ap.add_argument("--server-args", default="--speculative-method ngram --num-speculative-tokens 5",
                     help="extra `specserve serve` flags when the soak starts the server")
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
@@ -533,13 +535,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soak: starting `specserve serve {args.server_args}` on {server.url} (log: {log_path})")
         server.wait_healthy()
         base_url, pid = server.url, server.pid
+    reports: list[SoakReport] = []
     try:
-        rep = asyncio.run(run_soak(base_url, cfg, pid))
+        for i in range(args.rounds):
+            cfg.seed = args.seed + i
+            reports.append(asyncio.run(run_soak(base_url, cfg, pid)))
+            if args.rounds > 1:
+                print(f"-- round {i + 1}/{args.rounds}")
+                print_report(reports[-1], cfg)
     finally:
         if server is not None:
             code = server.terminate()
+    rep = reports[-1]
     if server is not None:
         rep.server_exit_code = code
+    if args.rounds > 1:  # the totals, RSS from the first round's start to the last round's end
+        for name in ("ok", "failed", "disconnected", "timed_out", "rejected_429", "greedy_checked",
+                     "greedy_mismatches", "stuck"):
+            setattr(rep, name, sum(getattr(r, name) for r in reports))
+        rep.failures = [f for r in reports for f in r.failures]
+        rep.latencies = [x for r in reports for x in r.latencies]
+        rep.ttfts = [x for r in reports for x in r.ttfts]
+        rep.latency_p50_s, rep.latency_p99_s = _pct(rep.latencies, 0.5), _pct(rep.latencies, 0.99)
+        rep.ttft_p50_s = _pct(rep.ttfts, 0.5)
+        rep.rss_start_mb = reports[0].rss_start_mb
+        print(f"-- all {args.rounds} rounds; RSS after each round: "
+              f"{[None if r.rss_end_mb is None else round(r.rss_end_mb) for r in reports]} MB")
     print_report(rep, cfg)
     if args.json:
         print(json.dumps(rep.figures()))

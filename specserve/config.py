@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -166,8 +167,6 @@ class SpeculativeConfig:
         if model == "[ngram]":
             method, model = "ngram", None
         if method is None and model:
-            from specserve.model.eagle_head import is_eagle_dir
-
             method = "eagle" if is_eagle_dir(model) else "draft"
         if method is None:
             return SpeculativeConfig()
@@ -184,6 +183,15 @@ class SpeculativeConfig:
             draft_layers=draft_layers if draft_layers is not None else cfg.get("draft_layers"),
             adaptive=bool(cfg.get("adaptive", speculative_adaptive)),
         )
+
+
+def is_eagle_dir(path: str | None) -> bool:
+    """A directory written by `specserve distill --kind head` (config.json says "specserve_draft": "eagle")."""
+    try:
+        with open(os.path.join(os.path.expanduser(path or ""), "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("specserve_draft") == "eagle"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass(frozen=True)

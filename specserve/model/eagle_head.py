@@ -61,15 +61,6 @@ class EagleConfig:
                          self.rope_theta, self.rope_scaling, self.max_position_embeddings)
 
 
-def is_eagle_dir(path: str | None) -> bool:
-    cfg = os.path.join(os.path.expanduser(path or ""), "config.json")
-    try:
-        with open(cfg, encoding="utf-8") as f:
-            return json.load(f).get("specserve_draft") == EAGLE_KIND
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
 

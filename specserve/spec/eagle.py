@@ -11,8 +11,9 @@ KV (and features) for positions ``< L - 1``, so each proposal:
 
 The head's KV therefore holds true entries below ``L`` after a proposal (``_valid``); the draft entries above
 are overwritten by the next catch-up, whatever was accepted (they were computed from predicted features).
-A feature the worker never saw (position 0, or the last position of a prefix-cache hit) is zeros: that only
-costs acceptance, never exactness -- verification decides every emitted token.
+A feature the worker never saw (position 0, or the last position of a prefix-cache hit) is zeros, and a
+prefix-cached block written by a request that did not speculate holds stale head entries: both only cost
+acceptance, never exactness -- verification decides every emitted token.
 """
 
 from __future__ import annotations

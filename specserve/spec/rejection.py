@@ -115,7 +115,7 @@ def _verify_sampled(logits: torch.Tensor, layout: _Layout, states: list[RequestS
     lse = torch.logsumexp(logits, dim=-1)  # [N]
     d_rows = layout.row_idx[:, :k_max]  # [B, K]
     p_x = torch.exp(logits[d_rows, drafts] - lse[d_rows])  # [B, K]
-    q = _DraftQ.build(draft_probs, layout.num_drafts, vocab, dev)
+    q = _DraftQ.build(draft_probs, layout.num_drafts, vocab, dev, k_max)
     q_x = q.prob_of(drafts)  # [B, K]
     uniforms, noise = _draw(states, layout.num_drafts, k_max, vocab, dev)  # [B, K], [B, V]
     num_acc = _num_accepted(_accept(uniforms, p_x, q_x) & layout.valid)  # [B]
@@ -157,8 +157,10 @@ class _DraftQ:
 
     @staticmethod
     def build(draft_probs: list[torch.Tensor | None], num_drafts: list[int], vocab: int,
-              device: torch.device) -> _DraftQ:
-        k_max = max(num_drafts)
+              device: torch.device, k_max: int | None = None) -> _DraftQ:
+        # NOTE: the layout's K, not this subset's max: a mixed batch's sampled half keeps the whole batch's K
+        # (its max k may be smaller), and a narrower dense_row made prob_of fail the whole engine step.
+        k_max = max(num_drafts) if k_max is None else k_max
         pieces = [p.to(device=device, dtype=torch.float32) for p in draft_probs if p is not None and p.shape[0]]
         total = sum(p.shape[0] for p in pieces)
         dense = torch.cat([*pieces, torch.zeros(1, vocab, device=device)])  # [D + 1, V]
