@@ -128,24 +128,25 @@ def test_reduced_draft_vocab(tiny, reference):
 
 
 def _dense_logits(model: LlamaModel, head: EagleHead, tokens: list[int], drafts: list[int]) -> list[torch.Tensor]:
-    """Logits behind draft 1 (teacher-forced entries over ``tokens``) and draft 2 (self-fed entry)."""
-    ids = torch.tensor([tokens + drafts[:1]])
+    """Logits behind each draft, recomputed densely: entries 0 .. L-1 read the target's features (teacher
+    forcing), each later entry (draft j, the head's previous prediction) is appended and the whole causal
+    sequence re-run -- what the engine computes incrementally through the head's paged KV."""
+    n = len(tokens)
     with torch.no_grad():
-        feats = dense.model_features(model, ids[:, :-1])  # target features h_0 .. h_{L-2}
-        inputs = dense.shift_features(torch.cat([feats, torch.zeros_like(feats[:, :1])], dim=1))
-        embeds = F.embedding(ids, model.embed)
-        pred = dense.head_forward(head, embeds, inputs)  # [1, L + 1, H]
-        n = len(tokens)
-        out = [dense.logits(model, pred[0, n - 1])]
-        if len(drafts) > 1:
-            p2 = dense.head_second_step(head, embeds, inputs, pred, torch.tensor([0]), torch.tensor([n]))
-            out.append(dense.logits(model, p2[0]))
+        feats = dense.model_features(model, torch.tensor([tokens[:-1]]))[0]  # h_0 .. h_{L-2}
+        inputs = [torch.zeros_like(feats[0]), *feats]  # entry p reads h_{p-1}
+        out = []
+        for j in range(len(drafts)):
+            ids = torch.tensor([tokens + drafts[:j]])
+            pred = dense.head_forward(head, F.embedding(ids, model.embed), torch.stack(inputs)[None])[0]
+            out.append(dense.logits(model, pred[n - 1 + j]))
+            inputs.append(pred[n - 1 + j])  # the next entry reads the head's own prediction
     return out
 
 
 def test_engine_drafts_match_dense_forward(tiny):
-    """Drafts 1 and 2 of every proposal, with prefill chunks (token budget 24) and batch 4."""
-    llm = LLM(tiny["target"], speculative_method="eagle", speculative_model=tiny["head"], num_speculative_tokens=2,
+    """Every draft (k = 3) of every proposal, with prefill chunks (token budget 24) and batch 4."""
+    llm = LLM(tiny["target"], speculative_method="eagle", speculative_model=tiny["head"], num_speculative_tokens=3,
               speculative_adaptive=False, max_num_seqs=4, max_num_batched_tokens=24, **ENGINE)
     proposer = llm.engine.runner.proposer
     seen: list[tuple[list[int], list[int]]] = []

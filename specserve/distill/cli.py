@@ -61,14 +61,10 @@ def add_distill_parser(sub: Any) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
+    """collect -> train -> export -> evaluate; every phase's wall time goes into DIR/distill.json."""
     import torch
 
-    from specserve.distill import data as D
-    from specserve.distill.evaluate import acceptance_by_k, format_table
-    from specserve.distill.export import save_hf_model
-    from specserve.distill.train import DraftModelTask, HeadTask, TrainConfig, train
     from specserve.llm import LLM
-    from specserve.model.eagle_head import save_eagle_head
 
     if args.kind == "model" and not 1 <= args.layers <= 4:
         raise ValueError("--layers must be between 1 and 4")
@@ -78,68 +74,22 @@ def cmd_distill(args: argparse.Namespace) -> int:
     walls: dict[str, float] = {}
     engine_kw = {"dtype": args.dtype, "device": args.device}
     llm = LLM(args.target, max_num_seqs=args.batch, enable_prefix_caching=False, **engine_kw)
-    runner = llm.engine.runner
-    limit = min(args.max_prompt_tokens, llm.engine.max_model_len - args.max_tokens)
-    prompts = [p for p in D.load_prompts(args.dataset, llm.tokenizer) if 0 < len(p.token_ids) <= limit]
-    if not prompts:
-        raise ValueError(f"no prompt of --dataset {args.dataset!r} fits {limit} tokens")
-    train_prompts, held = D.split(prompts, args.holdout)
-    random.Random(args.seed).shuffle(train_prompts)  # every source is sampled, however few tokens are asked
-    random.Random(args.seed + 1).shuffle(held)
-    samples_path = os.path.join(args.out, "samples.pt")
     t0 = time.perf_counter()
-    samples: list[D.Sample] = []
-    meta_in: dict[str, Any] = {"complete": False, "next_prompt": 0}
-    if args.resume and os.path.exists(samples_path):
-        samples, meta_in = D.load_samples(samples_path)
-        print(f"[distill] reusing {len(samples)} samples from {samples_path}", file=sys.stderr)
-    if not meta_in.get("complete", True):  # fresh, or a collection interrupted part-way
-
-        def save(done: list[D.Sample], next_prompt: int, complete: bool = False) -> None:
-            D.save_samples(samples_path, done, {"dataset": args.dataset, "complete": complete,
-                                                "next_prompt": next_prompt})
-
-        samples = D.collect(llm, train_prompts, args.tokens, args.max_tokens, args.temperature, args.batch,
-                            args.seed, samples=samples, start=int(meta_in.get("next_prompt", 0)), on_batch=save)
-        save(samples, 0, complete=True)
+    samples, train_prompts, held = _collect(args, llm)
     walls["collect_s"] = round(time.perf_counter() - t0, 1)
-    num_out = sum(len(s.token_ids) - s.prompt_len for s in samples)
-    num_pos = sum(len(s.token_ids) for s in samples)
-
-    cfg = TrainConfig(steps=0, lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed,
-                      unroll_weight=args.unroll_weight)
-    from specserve.distill.train import make_batches
-
-    cfg.steps = args.steps or max(1, math.ceil(args.epochs * len(make_batches(samples, args.batch_tokens))))
-    if args.kind == "head":
-        rms = float(torch.cat([s.features[::7].float() for s in samples]).pow(2).mean().sqrt())
-        task: HeadTask | DraftModelTask = HeadTask(runner.model, cfg, rms, llm.engine.model_name)
-    else:
-        task = DraftModelTask(runner.model, args.layers)
     t0 = time.perf_counter()
-    result = train(task, samples, cfg, os.path.join(args.out, "checkpoint.pt"), args.resume)
+    meta = _train_and_export(args, llm, samples)
     walls["train_s"] = round(time.perf_counter() - t0, 1)
-
-    meta = {"target": llm.engine.model_name, "kind": args.kind, "command": "specserve " + " ".join(sys.argv[1:])
-            if sys.argv[1:2] == ["distill"] else None, "dataset": args.dataset, "num_train_prompts": len(train_prompts),
-            "held_out_prompt_ids": [p.id for p in held], "num_samples": len(samples),
-            "num_generated_tokens": num_out, "num_positions": num_pos, "steps": result["step"],
-            "last_losses": result["history"][-5:]}
-    if args.kind == "head":
-        assert isinstance(task, HeadTask)
-        vocab, coverage = D.draft_vocab(samples, args.draft_vocab, runner.model.arch.vocab_size)
-        meta["draft_vocab_top1_coverage"] = round(coverage, 4)
-        save_eagle_head(task.head, args.out, draft_vocab=vocab)
-    else:
-        assert isinstance(task, DraftModelTask)
-        save_hf_model(task.model, args.out, llm.tokenizer.hf_tokenizer, extra={"specserve_distilled": True})
-    del llm, runner, task
+    meta |= {"command": "specserve " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["distill"] else None,
+             "dataset": args.dataset, "num_train_prompts": len(train_prompts),
+             "held_out_prompt_ids": [p.id for p in held]}
+    del llm
     gc.collect()
-
     evaluation = None
     if args.eval_prompts > 0:
-        eval_set = held or train_prompts
-        ids = [p.token_ids for p in eval_set[:args.eval_prompts]]
+        from specserve.distill.evaluate import acceptance_by_k, format_table
+
+        ids = [p.token_ids for p in (held or train_prompts)[:args.eval_prompts]]
         t0 = time.perf_counter()
         evaluation = acceptance_by_k(args.target, "eagle" if args.kind == "head" else "draft", args.out, ids,
                                      args.eval_max_tokens, [1, 2, 3, 4, 5], **engine_kw)
@@ -149,6 +99,67 @@ def cmd_distill(args: argparse.Namespace) -> int:
     walls["total_s"] = round(time.perf_counter() - t_start, 1)
     with open(os.path.join(args.out, "distill.json"), "w", encoding="utf-8") as f:
         json.dump({**meta, "wall_time": walls, "evaluation": evaluation}, f, indent=2)
-    print(json.dumps({"out": args.out, "kind": args.kind, "steps": result["step"], "wall_time": walls,
+    print(json.dumps({"out": args.out, "kind": args.kind, "steps": meta["steps"], "wall_time": walls,
                       "acceptance_by_k": {r["k"]: r["acceptance_rate"] for r in (evaluation or {}).get("by_k", [])}}))
     return 0
+
+
+def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], list[Any]]:
+    """(samples, training prompts, held-out prompts); resumes a partial or reuses a complete samples.pt."""
+    from specserve.distill import data as D
+
+    limit = min(args.max_prompt_tokens, llm.engine.max_model_len - args.max_tokens)
+    prompts = [p for p in D.load_prompts(args.dataset, llm.tokenizer) if 0 < len(p.token_ids) <= limit]
+    if not prompts:
+        raise ValueError(f"no prompt of --dataset {args.dataset!r} fits {limit} tokens")
+    train_prompts, held = D.split(prompts, args.holdout)
+    random.Random(args.seed).shuffle(train_prompts)  # every source is sampled, however few tokens are asked
+    random.Random(args.seed + 1).shuffle(held)
+    path = os.path.join(args.out, "samples.pt")
+    samples: list[D.Sample] = []
+    meta: dict[str, Any] = {"complete": False, "next_prompt": 0}
+    if args.resume and os.path.exists(path):
+        samples, meta = D.load_samples(path)
+        print(f"[distill] reusing {len(samples)} samples from {path}", file=sys.stderr)
+    if not meta.get("complete", True):  # fresh, or a collection interrupted part-way
+
+        def save(done: list[D.Sample], next_prompt: int, complete: bool = False) -> None:
+            D.save_samples(path, done, {"dataset": args.dataset, "complete": complete, "next_prompt": next_prompt})
+
+        samples = D.collect(llm, train_prompts, args.tokens, args.max_tokens, args.temperature, args.batch,
+                            args.seed, samples=samples, start=int(meta.get("next_prompt", 0)), on_batch=save)
+        save(samples, 0, complete=True)
+    return samples, train_prompts, held
+
+
+def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) -> dict[str, Any]:
+    import torch
+
+    from specserve.distill import data as D
+    from specserve.distill.export import save_hf_model
+    from specserve.distill.train import DraftModelTask, HeadTask, TrainConfig, make_batches, train
+    from specserve.model.eagle_head import save_eagle_head
+
+    target = llm.engine.runner.model
+    cfg = TrainConfig(steps=0, lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed,
+                      unroll_weight=args.unroll_weight)
+    cfg.steps = args.steps or max(1, math.ceil(args.epochs * len(make_batches(samples, args.batch_tokens))))
+    task: HeadTask | DraftModelTask
+    if args.kind == "head":
+        rms = float(torch.cat([s.features[::7].float() for s in samples]).pow(2).mean().sqrt())
+        task = HeadTask(target, cfg, rms, llm.engine.model_name)
+    else:
+        task = DraftModelTask(target, args.layers)
+    result = train(task, samples, cfg, os.path.join(args.out, "checkpoint.pt"), args.resume)
+    meta: dict[str, Any] = {
+        "target": llm.engine.model_name, "kind": args.kind, "num_samples": len(samples),
+        "num_generated_tokens": sum(len(s.token_ids) - s.prompt_len for s in samples),
+        "num_positions": sum(len(s.token_ids) for s in samples), "steps": result["step"],
+        "last_losses": result["history"][-5:]}
+    if isinstance(task, HeadTask):
+        vocab, coverage = D.draft_vocab(samples, args.draft_vocab, target.arch.vocab_size)
+        meta["draft_vocab_top1_coverage"] = round(coverage, 4)
+        save_eagle_head(task.head, args.out, draft_vocab=vocab)
+    else:
+        save_hf_model(task.model, args.out, llm.tokenizer.hf_tokenizer, extra={"specserve_distilled": True})
+    return meta
