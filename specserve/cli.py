@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specserve").setLevel(logging.INFO)  # start-up facts (KV blocks, draft memory) always
     try:
         return int(args.func(args) or 0)
     except SpecserveError as e:
