@@ -182,7 +182,24 @@ def test_acceptance_running_average():
     c.record_acceptance("r", 4, 4)  # 4 successes, no failure: rate 1, weight 1
     assert c.alpha("r") == pytest.approx(1.0)
     c.drop("r")
-    assert c.alpha("r") == 0.6
+    # A forgotten (or new) request starts from the recent acceptance over all requests, not the prior.
+    assert c.alpha("r") == c.global_alpha
+    assert c.global_alpha == pytest.approx(0.95 * (0.95 * 0.6 + 0.05 * 2 / 3) + 0.05 * 1.0)
+
+
+def test_exploration_backs_off_while_drafts_keep_losing():
+    c = SpecController(max_k=4, explore_every=4)
+    for n in (8, 40):  # verifying 5x the tokens costs 5x: speculation with alpha ~ 0 loses
+        c.record_target(n, 0.01 * n)
+    c.record_draft(8, 0.005)
+    c.record_acceptance("r", 4, 0)
+    for _ in range(20):
+        c.record_acceptance("r", 1, 0)
+    ks = [c.choose_k(["r"] * 8) for _ in range(400)]
+    explored = [i for i, k in enumerate(ks) if k > 0]
+    assert 0 < len(explored) <= 8  # 4, 8, 16, ... steps apart instead of every 4th step
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]
 
 
 def test_choose_k_not_adaptive_is_max_k():

@@ -89,6 +89,10 @@ class SpecController:
         self.draft_cost = StepCost()
         self._alpha: dict[str, float] = {}
         self._step = 0
+        self._since_explore = 0
+        self._explore_gap = explore_every
+        # Acceptance of recent passes over all requests: the starting estimate for a new request.
+        self.global_alpha = prior_alpha
         self.last_k = max_k
 
     # -- measurements ---------------------------------------------------------------------------------------
@@ -99,9 +103,10 @@ class SpecController:
             return
         trials = num_accepted + (1 if num_accepted < num_draft else 0)
         rate = num_accepted / trials
-        a = self._alpha.get(req_id, self.prior_alpha)
+        a = self._alpha.get(req_id, self.global_alpha)
         w = min(1.0, 0.3 * trials)
         self._alpha[req_id] = (1 - w) * a + w * rate
+        self.global_alpha = 0.95 * self.global_alpha + 0.05 * rate
 
     def record_target(self, num_tokens: int, seconds: float) -> None:
         self.target_cost.add(num_tokens, seconds)
@@ -113,7 +118,7 @@ class SpecController:
         self._alpha.pop(req_id, None)
 
     def alpha(self, req_id: str) -> float:
-        return self._alpha.get(req_id, self.prior_alpha)
+        return self._alpha.get(req_id, self.global_alpha)
 
     # -- decision -------------------------------------------------------------------------------------------
     def choose_k(self, req_ids: list[str], other_tokens: int = 0) -> int:
@@ -136,7 +141,13 @@ class SpecController:
                     break
                 if rate > best_rate * 1.0001:
                     best_k, best_rate = k, rate
-            if self._step % self.explore_every == 0:  # keep the fit honest around the optimum
+            self._since_explore += 1
+            if self._since_explore >= self._explore_gap:  # keep the estimates honest around the optimum
+                self._since_explore = 0
+                # NOTE: exploring away from k = 0 costs real time when drafts keep failing, so the gap
+                # doubles each time the model still says "off", and resets once speculation pays again.
+                self._explore_gap = min(self._explore_gap * 2, 64 * self.explore_every) if best_k == 0 \
+                    else self.explore_every
                 best_k = min(self.max_k, best_k + 1) if best_k == 0 or self._step % 2 else best_k - 1
         self.last_k = best_k
         return best_k
