@@ -1,12 +1,16 @@
 """Fuzz the HTTP API from its own OpenAPI schema (schemathesis + hypothesis), with and without the API key.
 
-    .venv/bin/python benchmarks/fuzz_api.py [--max-examples 300] [--max-model-len 256]
+    .venv/bin/python benchmarks/fuzz_api.py [--max-examples 300] [--model tiny|demo|PATH] [--max-model-len 256]
     .venv/bin/python benchmarks/fuzz_api.py --base-url http://127.0.0.1:8000 --api-key KEY
 
-Without ``--base-url`` it starts ``specserve serve`` (demo model, n-gram speculation, an API key, a small
-``--max-model-len`` so that a fuzzed ``max_tokens`` cannot keep the CPU busy for minutes) on 127.0.0.1.
-Only loopback addresses are accepted. The CI version is tests/test_fuzz_api.py (a tiny random model over the
-demo tokenizer, ~25 examples per operation and mode).
+Without ``--base-url`` it starts ``specserve serve`` on 127.0.0.1 with n-gram speculation, an API key and a
+small ``--max-model-len`` (which bounds what a fuzzed ``max_tokens`` costs). ``--model tiny`` (the default)
+serves a tiny random Llama over the demo model's real tokenizer and chat template: the HTTP layer sees what it
+sees in production and a step costs milliseconds, so hundreds of examples take minutes. ``--model demo``
+fuzzes the demo model itself: on 2 CPU cores a schema-valid chat request (n up to 16, up to the context end)
+takes up to a minute, so keep ``--max-examples`` small (~30 takes about half an hour). Only loopback
+addresses are accepted. The CI version is tests/test_fuzz_api.py (the tiny model, 25 examples per operation
+and mode).
 
 Every operation of ``/openapi.json`` is fuzzed with positive (schema-valid) and negative (schema-violating)
 examples; each example is sent with the key, and, when the server has one, without it and with a wrong one.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -186,14 +191,25 @@ def parse_metrics(text: str) -> dict[str, float]:
     return dict(_soak_module().parse_metrics(text))
 
 
+def _tiny_model(path: str) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    from specserve.tokenizer import Tokenizer
+    from tests.reliability_helpers import save_tiny_with_demo_tokenizer
+
+    return save_tiny_with_demo_tokenizer(path, Tokenizer.from_checkpoint(None))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default=None, help="an already running server (loopback only)")
     ap.add_argument("--api-key", default=None, help="with --base-url: the server's key, if any")
     ap.add_argument("--max-examples", type=int, default=300, help="per operation and mode")
+    ap.add_argument("--model", default="tiny", help="tiny (default), demo, or a checkpoint path")
     ap.add_argument("--max-model-len", type=int, default=256, help="when starting the server")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the server we started
     soak = _soak_module()
     server = None
     base_url, api_key = args.base_url, args.api_key
@@ -201,8 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
 
         api_key = api_key or "sk-fuzz"
-        log_path = os.path.join(tempfile.mkdtemp(prefix="specserve-fuzz-"), "server.log")
-        server = soak.ServerProcess(["--speculative-method", "ngram", "--num-speculative-tokens", "3",
+        work = tempfile.mkdtemp(prefix="specserve-fuzz-")
+        log_path = os.path.join(work, "server.log")
+        model = [] if args.model == "demo" else [args.model]
+        if args.model == "tiny":
+            model = [_tiny_model(os.path.join(work, "tiny-model"))]
+        server = soak.ServerProcess([*model, "--speculative-method", "ngram", "--num-speculative-tokens", "3",
                                      "--max-model-len", str(args.max_model_len), "--api-key", api_key], log_path)
         print(f"fuzz: starting specserve serve on {server.url} (log: {log_path})")
         server.wait_healthy()

@@ -520,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra `specserve serve` flags when the soak starts the server")
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the server we started
     cfg = SoakConfig(clients=args.clients, duration=args.duration, greedy_max_tokens=args.greedy_max_tokens,
                      max_tokens=args.max_tokens, disconnect_fraction=args.disconnect_fraction,
                      timeout_fraction=args.timeout_fraction, drain_timeout=args.drain_timeout, seed=args.seed)
