@@ -106,3 +106,19 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def write_char_tokenizer(path: str, vocab: int) -> None:
+    """0 <unk>, 1 <s>, 2 </s>, then one token per character (printable ASCII, newline, Latin letters)."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(0x20, 0x7F)] + ["\n"]
+    chars += [chr(c) for c in range(0xC0, 0xC0 + vocab - 3 - len(chars))]
+    table = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: 3 + i for i, c in enumerate(chars)}
+    raw = RawTokenizer(models.WordLevel(table, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)

@@ -14,7 +14,7 @@ import torch
 from specserve.bench import offline, report, serve, workloads
 from specserve.cli import main as cli_main
 from specserve.spec.controller import expected_tokens, ideal_speedup
-from tests.helpers import tiny_hf_model
+from tests.helpers import tiny_hf_model, write_char_tokenizer
 
 
 # -- cost model on constructed numbers ------------------------------------------------------------------------
@@ -113,27 +113,11 @@ def test_load_dataset_jsonl(tmp_path):
 
 
 # -- bench offline end to end on a tiny random model ------------------------------------------------------------
-def _write_char_tokenizer(path: str, vocab: int) -> None:
-    """0 <unk>, 1 <s>, 2 </s>, then one token per character: the engine needs a tokenizer in the dir."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(0x20, 0x7F)] + ["\n"]
-    chars += [chr(c) for c in range(0xC0, 0xC0 + vocab - 3 - len(chars))]
-    table = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: 3 + i for i, c in enumerate(chars)}
-    raw = RawTokenizer(models.WordLevel(table, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    raw.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny_bench") / "model")
     tiny_hf_model("llama", seed=3, layers=2, vocab=256, initializer_range=0.05).save_pretrained(path)
-    _write_char_tokenizer(path, 256)
+    write_char_tokenizer(path, 256)
     return path
 
 

@@ -29,7 +29,7 @@ from specserve.llm import LLM
 from specserve.model.attention import build_metadata
 from specserve.model.llama import LlamaModel
 from specserve.sample.sampler import RequestSamplingState, process_logits
-from tests.helpers import tiny_hf_model
+from tests.helpers import tiny_hf_model, write_char_tokenizer
 
 METHODS = ("ngram", "layer_skip", "draft")
 K_VALUES = (1, 3, 5, 8)
@@ -65,22 +65,6 @@ def _one_thread(request):
             reporter.write_line(f"\n[spec equality] near-tie divergences accepted: {len(NEAR_TIES)}")
             for line in NEAR_TIES:
                 reporter.write_line(f"  {line}")
-
-
-def write_char_tokenizer(path: str, vocab: int) -> None:
-    """0 <unk>, 1 <s>, 2 </s>, then one token per character (printable ASCII, newline, Latin letters)."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(0x20, 0x7F)] + ["\n"]
-    chars += [chr(c) for c in range(0xC0, 0xC0 + vocab - 3 - len(chars))]
-    table = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: 3 + i for i, c in enumerate(chars)}
-    raw = RawTokenizer(models.WordLevel(table, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    raw.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(path)
 
 
 def make_target(family: str, seed: int):

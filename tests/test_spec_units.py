@@ -126,7 +126,7 @@ def test_config_errors(bad, match):
 # -- draft model checks at start-up -----------------------------------------------------------------------------
 def test_draft_vocab_mismatch_refused(tmp_path):
     from specserve.llm import LLM
-    from tests.test_spec_equality import write_char_tokenizer
+    from tests.helpers import write_char_tokenizer
 
     target, draft = str(tmp_path / "target"), str(tmp_path / "draft")
     tiny_hf_model("llama", seed=0, layers=2, vocab=256).save_pretrained(target)
