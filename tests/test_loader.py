@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from specserve.config import CheckpointError
 from specserve.model import loader
+from specserve.model.gguf_file import parse_gguf
 from specserve.model.loader import Checkpoint, expected_shapes, load_checkpoint, read_arch
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -242,7 +243,7 @@ def test_demo_gguf(demo_ckpt, demo_model_path):
 def test_gguf_parser_agrees_with_gguf_reader(demo_model_path):
     reader = gguf.GGUFReader(demo_model_path)
     with open(demo_model_path, "rb") as f:
-        ours = loader._parse_gguf(f, demo_model_path)
+        ours = parse_gguf(f, demo_model_path)
     assert list(ours.tensors) == [t.name for t in reader.tensors]
     for t in reader.tensors:
         info = ours.tensors[t.name]

