@@ -12,6 +12,8 @@ import torch
 from specserve import SamplingParams
 from specserve.cli import main
 from specserve.config import SpecserveError
+from specserve.distill.data import Sample, load_samples, stdlib_code_chunks
+from specserve.distill.train import collate
 from specserve.llm import LLM
 from specserve.model.loader import load_checkpoint
 from tests.helpers import save_tiny_checkpoint
@@ -61,9 +63,15 @@ def _greedy_equal(target: str, batch: int, **spec) -> dict:
 
 def test_head_distill_resume_and_exactness(setup):
     out = str(setup["root"] / "head")
-    _distill(setup, out, "--kind", "head", "--steps", "3")
+    _distill(setup, out, "--kind", "head", "--steps", "3", "--text-tokens", "300", "--text-seq-len", "48",
+             "--greedy-every", "2")
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["specserve_draft"] == "eagle"
+    samples, meta = load_samples(os.path.join(out, "samples.pt"))
+    text = [s for s in samples if s.prompt_len == 1]
+    assert meta["text_tokens"] == 300 and sum(len(s.token_ids) for s in text) >= 300
+    for s in samples:  # every position has a soft target: the prompt's (and the text's) included
+        assert s.first_target == 0 and s.top_ids.shape[0] == len(s.token_ids) - 1 == s.features.shape[0]
     ck = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     assert ck["step"] == 3 and [h["step"] for h in ck["history"]] == [1, 2, 3]
     report = json.load(open(os.path.join(out, "distill.json")))
@@ -94,3 +102,35 @@ def test_model_distill_is_a_normal_hf_draft(setup, tmp_path):
     other = save_tiny_checkpoint(tmp_path / "other", "llama", seed=1, layers=1, vocab=300)
     with pytest.raises(SpecserveError, match="vocabulary of 260 tokens but the target has 300"):
         LLM(other, speculative_model=out, num_speculative_tokens=2, **ENGINE)
+
+
+def test_stdlib_text_skips_the_benchmark_modules():
+    from specserve.bench.workloads import CODE_MODULES
+
+    seen: list[str] = []
+
+    class Recorder:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            assert not add_special_tokens
+            seen.append(text)
+            return list(range(len(text) // 40))
+
+    chunks = stdlib_code_chunks(Recorder(), CODE_MODULES, seq_len=64)
+    got = [next(chunks) for _ in range(20)]
+    assert all(len(c) == 64 for c in got)
+    import heapq
+    import textwrap
+
+    for mod in (textwrap, heapq):  # benchmark sources never become training text
+        with open(mod.__file__, encoding="utf-8") as f:
+            assert f.read() not in seen
+
+
+def test_collate_over_a_draft_vocabulary_drops_tokens_outside_it():
+    s = Sample(token_ids=[5, 6, 7], prompt_len=1, features=torch.zeros(2, 4).half(),
+               top_ids=torch.tensor([[3, 9], [8, 9]]), top_logp=torch.tensor([[-0.5, -1.0], [-0.1, -3.0]]).half(),
+               target_from=0)
+    b = collate([s], [0], torch.device("cpu"), top_k=2, frequent=torch.tensor([]), vocab=torch.tensor([3, 4]))
+    assert b.pos.tolist() == [0] and b.rows.tolist() == [0]  # position 1's targets (8, 9) are all outside
+    assert b.vocab.tolist() == [3, 4] and b.top_ids.tolist() == [[0, 0]]
+    assert b.top_p.tolist() == [[1.0, 0.0]]  # 9 dropped, 3 renormalised

@@ -38,6 +38,12 @@ def add_distill_parser(sub: Any) -> None:
                    help=f"comma-separated workloads ({WORKLOADS}) and/or files (.txt one prompt per line, "
                         f".json/.jsonl workload format)")
     d.add_argument("--tokens", type=int, default=32000, help="target-sampled tokens to collect")
+    d.add_argument("--text-tokens", type=int, default=0,
+                   help="also teacher-force the target over this many tokens of Python standard-library source "
+                        "(the benchmark workloads' modules excluded): cheap volume next to the sampled data")
+    d.add_argument("--text-seq-len", type=int, default=256, help="sequence length of the teacher-forced text")
+    d.add_argument("--greedy-every", type=int, default=0,
+                   help="every N-th sampling batch decodes greedily (0: all sampled at --temperature)")
     d.add_argument("--steps", type=int, default=None, help="total optimizer steps (default: --epochs passes)")
     d.add_argument("--epochs", type=float, default=3.0)
     d.add_argument("--resume", action="store_true", help="reuse DIR/samples.pt and continue DIR/checkpoint.pt")
@@ -127,8 +133,16 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
             D.save_samples(path, done, {"dataset": args.dataset, "complete": complete, "next_prompt": next_prompt})
 
         samples = D.collect(llm, train_prompts, args.tokens, args.max_tokens, args.temperature, args.batch,
-                            args.seed, samples=samples, start=int(meta.get("next_prompt", 0)), on_batch=save)
+                            args.seed, samples=samples, start=int(meta.get("next_prompt", 0)), on_batch=save,
+                            greedy_every=args.greedy_every)
         save(samples, 0, complete=True)
+    if args.text_tokens > 0 and not meta.get("text_tokens"):
+        from specserve.bench.workloads import CODE_MODULES, SUMMARIZE_MODULES
+
+        chunks = D.stdlib_code_chunks(llm.tokenizer, CODE_MODULES + SUMMARIZE_MODULES, args.text_seq_len, args.seed)
+        samples += D.collect_text(llm.engine.runner.model, chunks, args.text_tokens, max(1, 2048 // args.text_seq_len))
+        D.save_samples(path, samples, {"dataset": args.dataset, "complete": True, "next_prompt": 0,
+                                       "text_tokens": args.text_tokens})
     return samples, train_prompts, held
 
 
@@ -145,19 +159,21 @@ def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) ->
                       unroll_weight=args.unroll_weight)
     cfg.steps = args.steps or max(1, math.ceil(args.epochs * len(make_batches(samples, args.batch_tokens))))
     task: HeadTask | DraftModelTask
+    vocab, coverage = D.draft_vocab(samples, args.draft_vocab, target.arch.vocab_size)
     if args.kind == "head":
         rms = float(torch.cat([s.features[::7].float() for s in samples]).pow(2).mean().sqrt())
+        cfg.vocab = vocab  # train over exactly the vocabulary the head will draft from
         task = HeadTask(target, cfg, rms, llm.engine.model_name)
     else:
         task = DraftModelTask(target, args.layers)
     result = train(task, samples, cfg, os.path.join(args.out, "checkpoint.pt"), args.resume)
     meta: dict[str, Any] = {
         "target": llm.engine.model_name, "kind": args.kind, "num_samples": len(samples),
-        "num_generated_tokens": sum(len(s.token_ids) - s.prompt_len for s in samples),
+        "num_generated_tokens": sum(len(s.token_ids) - s.prompt_len for s in samples if s.prompt_len > 1),
+        "num_teacher_forced_text_tokens": sum(len(s.token_ids) for s in samples if s.prompt_len == 1),
         "num_positions": sum(len(s.token_ids) for s in samples), "steps": result["step"],
         "last_losses": result["history"][-5:]}
     if isinstance(task, HeadTask):
-        vocab, coverage = D.draft_vocab(samples, args.draft_vocab, target.arch.vocab_size)
         meta["draft_vocab_top1_coverage"] = round(coverage, 4)
         save_eagle_head(task.head, args.out, draft_vocab=vocab)
     else:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+import random
+import sysconfig
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +53,19 @@ class Sample:
     token_ids: list[int]  # prompt + sampled output (L tokens)
     prompt_len: int
     features: torch.Tensor  # [L - 1, hidden] fp16: the target's pre-norm features h_0 .. h_{L-2}
-    top_ids: torch.Tensor  # [L - prompt_len, K] int64
-    top_logp: torch.Tensor  # [L - prompt_len, K] fp16
+    top_ids: torch.Tensor  # [L - 1 - first_target, K] int64
+    top_logp: torch.Tensor  # [L - 1 - first_target, K] fp16
+    # First position with a soft target (None: prompt_len - 1, the sampled output only; 0: every position,
+    # the prompt included -- the target's distributions over the prompt are training signal too).
+    target_from: int | None = None
+
+    @property
+    def first_target(self) -> int:
+        return self.prompt_len - 1 if self.target_from is None else self.target_from
 
     def to_dict(self) -> dict[str, Any]:
         return {"token_ids": self.token_ids, "prompt_len": self.prompt_len, "features": self.features,
-                "top_ids": self.top_ids, "top_logp": self.top_logp}
+                "top_ids": self.top_ids, "top_logp": self.top_logp, "target_from": self.target_from}
 
 
 def builtin_instructions() -> list[tuple[str, list[dict[str, str]]]]:
@@ -100,8 +109,9 @@ def split(prompts: list[Prompt], fraction: float) -> tuple[list[Prompt], list[Pr
 
 def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, temperature: float,
             batch: int, seed: int, top_k: int = 32, samples: list[Sample] | None = None, start: int = 0,
-            on_batch: Callable[[list[Sample], int], None] | None = None) -> list[Sample]:
+            on_batch: Callable[[list[Sample], int], None] | None = None, greedy_every: int = 0) -> list[Sample]:
     """Sample the target on ``prompts`` (cycling, a new seed each pass) until ``num_tokens`` are generated.
+    ``greedy_every`` > 0: every that many-th batch decodes greedily (the trajectories greedy serving sees).
 
     Continues ``samples`` collected from prompt index ``start`` on (a resumed collection); ``on_batch(samples,
     next index)`` runs after every batch (the CLI saves a partial ``samples.pt`` there)."""
@@ -118,8 +128,9 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
     try:
         while generated < num_tokens:
             group = [prompts[(i + j) % len(prompts)] for j in range(batch)]
-            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i + j)
-                      for j in range(batch)]
+            greedy = greedy_every > 0 and (i // batch) % greedy_every == greedy_every - 1
+            params = [SamplingParams(temperature=0.0 if greedy else temperature, max_tokens=max_tokens,
+                                     seed=seed + i + j) for j in range(batch)]
             outs = llm.generate(None, params, prompt_token_ids=[p.token_ids for p in group])
             i += batch
             for p, o in zip(group, outs, strict=True):
@@ -151,11 +162,89 @@ def _sample(model: Any, prompt: list[int], output: list[int], parts: list[tuple[
     feats = torch.cat([h for _, h in parts])  # [L - 1, hidden]
     if feats.shape[0] != len(ids) - 1:
         raise RuntimeError(f"captured {feats.shape[0]} features for a sequence of {len(ids)} tokens")
+    idx, vals = top_logprobs(model, feats, top_k)  # every position, the prompt's included
+    return Sample(ids, len(prompt), feats.half(), idx, vals, target_from=0)
+
+
+def top_logprobs(model: Any, feats: torch.Tensor, top_k: int, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-norm features [N, hidden] -> the target's top-K next-token (ids int64, log-probs fp16), on the CPU."""
+    ids, vals = [], []
     with torch.inference_mode():
-        h = feats[len(prompt) - 1:].to(model.device, model.dtype)
-        logp = torch.log_softmax(model.compute_logits(model.norm(h)), dim=-1)  # [n_out, V]
-        vals, idx = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
-    return Sample(ids, len(prompt), feats.half(), idx.cpu(), vals.half().cpu())
+        for i in range(0, feats.shape[0], chunk):
+            h = feats[i:i + chunk].to(model.device, model.dtype)
+            logp = torch.log_softmax(model.compute_logits(model.norm(h)).float(), dim=-1)  # [n, V]
+            v, j = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+            ids.append(j.cpu())
+            vals.append(v.half().cpu())
+    return torch.cat(ids), torch.cat(vals)
+
+
+def stdlib_code_chunks(tokenizer: Any, exclude: tuple[str, ...], seq_len: int, seed: int = 0
+                       ) -> Iterator[list[int]]:
+    """Token chunks of ``seq_len`` from the Python standard library's source files, in a seeded file order.
+
+    Modules named in ``exclude`` (the benchmark workloads' sources) are skipped, so benchmark prompts stay
+    unseen. The files are read, never imported; the tokenizer's BOS (if any) is not added."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {os.path.join(root, *m.split(".")) for m in exclude}
+    files = []
+    for dirpath, dirnames, names in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "idlelib", "site-packages",
+                                                              "lib2to3", "__pycache__", "turtledemo"))
+        for n in sorted(names):
+            path = os.path.join(dirpath, n)
+            if n.endswith(".py") and path[:-3] not in skip and dirpath not in skip:
+                files.append(path)
+    random.Random(seed).shuffle(files)
+    for path in files:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        for i in range(0, len(ids) - seq_len // 4, seq_len):
+            yield ids[i:i + seq_len]
+
+
+def collect_text(model: Any, chunks: Iterator[list[int]], num_tokens: int, batch: int, top_k: int = 32
+                 ) -> list[Sample]:
+    """Teacher-forced target passes over text (no sampling): features and soft targets at every position.
+
+    A dense causal forward over [batch, seq_len] is several times faster per token on a CPU than decoding, so
+    this buys volume; the engine-sampled data (``collect``) buys the target's own style."""
+    from specserve.distill import dense
+
+    samples: list[Sample] = []
+    done = 0
+    bar = tqdm(total=num_tokens, desc="collect (teacher-forced text)", unit="tok")
+    group: list[list[int]] = []
+    for chunk in chunks:
+        if len(chunk) >= 8:
+            group.append(chunk)
+        if len(group) < batch:
+            continue
+        done += _text_batch(model, group, top_k, samples, dense)
+        bar.update(sum(len(c) for c in group))
+        group = []
+        if done >= num_tokens:
+            break
+    bar.close()
+    return samples
+
+
+def _text_batch(model: Any, group: list[list[int]], top_k: int, out: list[Sample], dense: Any) -> int:
+    n = max(len(c) for c in group)
+    ids = torch.zeros(len(group), n, dtype=torch.long)
+    for b, c in enumerate(group):
+        ids[b, :len(c)] = torch.tensor(c)
+    with torch.inference_mode():
+        feats = dense.model_features(model, ids.to(model.device)).float().cpu()  # [B, n, hidden]
+    for b, c in enumerate(group):
+        f = feats[b, :len(c) - 1]
+        top, lp = top_logprobs(model, f, top_k)
+        out.append(Sample(list(c), 1, f.half(), top, lp, target_from=0))
+    return sum(len(c) for c in group)
 
 
 def draft_vocab(samples: list[Sample], size: int, vocab_size: int) -> tuple[torch.Tensor | None, float]:

@@ -44,6 +44,7 @@ class TrainConfig:
     warmup: int = 20
     loss_top_k: int = 16  # soft targets: the target's top-K (of the K collected)
     num_frequent: int = 2048  # always-present negatives of the sampled softmax
+    vocab: torch.Tensor | None = None  # softmax over these ids (a head's draft vocabulary) instead
 
 
 @dataclass
@@ -80,9 +81,11 @@ def frequent_tokens(samples: list[Sample], n: int) -> torch.Tensor:
 
 
 def collate(samples: list[Sample], idx: list[int], device: torch.device, top_k: int,
-            frequent: torch.Tensor) -> Batch:
-    """Pad a group of samples. The softmax runs over the batch's top-K tokens plus the frequent ones (a
-    sampled softmax: the LM head is 49k x hidden for the demo model and dominates training on a CPU)."""
+            frequent: torch.Tensor, vocab: torch.Tensor | None = None) -> Batch:
+    """Pad a group of samples. The softmax runs over ``vocab`` (the draft vocabulary: exactly what is served)
+    or, without one, over the batch's top-K tokens plus the frequent ones (a sampled softmax: the LM head is
+    49k x hidden for the demo model and dominates training on a CPU). With ``vocab``, target tokens outside it
+    are dropped and the rest renormalised; positions with none left are skipped."""
     group = [samples[i] for i in idx]
     s_max = max(len(s.token_ids) for s in group)
     hidden = group[0].features.shape[-1]
@@ -93,16 +96,25 @@ def collate(samples: list[Sample], idx: list[int], device: torch.device, top_k: 
         n = len(s.token_ids)
         ids[b, :n] = torch.tensor(s.token_ids)
         feats[b, :n - 1] = s.features.float()
-        p = torch.arange(s.prompt_len - 1, n - 1)
+        p = torch.arange(s.first_target, n - 1)
         rows.append(torch.full_like(p, b))
         pos.append(p)
         top_ids.append(s.top_ids[:, :top_k])
         top_lp.append(s.top_logp[:, :top_k].float())
-    tops = torch.cat(top_ids).long()
-    vocab, inverse = torch.unique(torch.cat([tops.reshape(-1), frequent.long()]), return_inverse=True)
-    local = inverse[:tops.numel()].view_as(tops)
-    return Batch(ids.to(device), feats.to(device), torch.cat(rows).to(device), torch.cat(pos).to(device),
-                 vocab.to(device), local.to(device), torch.softmax(torch.cat(top_lp), dim=-1).to(device))
+    tops, lp = torch.cat(top_ids).long(), torch.cat(top_lp)
+    row, where = torch.cat(rows), torch.cat(pos)
+    if vocab is None:
+        vocab, inverse = torch.unique(torch.cat([tops.reshape(-1), frequent.long()]), return_inverse=True)
+        local = inverse[:tops.numel()].view_as(tops)
+    else:
+        lookup = torch.full((int(max(int(vocab.max()), int(tops.max()))) + 1,), -1, dtype=torch.long)
+        lookup[vocab] = torch.arange(vocab.numel())
+        local = lookup[tops]
+        lp = lp.masked_fill(local < 0, float("-inf"))
+        keep = (local >= 0).any(-1)
+        local, lp, row, where = local[keep].clamp(min=0), lp[keep], row[keep], where[keep]
+    return Batch(ids.to(device), feats.to(device), row.to(device), where.to(device),
+                 vocab.to(device), local.to(device), torch.softmax(lp, dim=-1).to(device))
 
 
 def soft_ce(model: LlamaModel, features: torch.Tensor, b: Batch, rows: torch.Tensor | None = None
@@ -223,7 +235,8 @@ def train(task: HeadTask | DraftModelTask, samples: list[Sample], cfg: TrainConf
 
     def save(step: int) -> None:
         torch.save({"kind": task.kind, "step": step, "module": module.state_dict(), "optimizer": opt.state_dict(),
-                    "history": history, "config": cfg.__dict__}, ckpt_path + ".tmp")
+                    "history": history, "config": {k: v for k, v in cfg.__dict__.items() if k != "vocab"}},
+                   ckpt_path + ".tmp")
         os.replace(ckpt_path + ".tmp", ckpt_path)
 
     bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"train ({task.kind})", unit="step")
@@ -233,7 +246,7 @@ def train(task: HeadTask | DraftModelTask, samples: list[Sample], cfg: TrainConf
             break
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
-        loss, stats = task.loss(collate(samples, idx, device, cfg.loss_top_k, frequent))
+        loss, stats = task.loss(collate(samples, idx, device, cfg.loss_top_k, frequent, cfg.vocab))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
