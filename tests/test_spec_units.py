@@ -172,19 +172,49 @@ def test_step_cost_table():
     assert cost.predict(0) == pytest.approx(0.0025)  # below the smallest: its cost
 
 
-def test_acceptance_running_average():
-    c = SpecController(max_k=4, prior_alpha=0.6)
-    assert c.alpha("r") == 0.6
-    c.record_acceptance("r", 4, 2)  # 2 successes, 1 failure: rate 2/3, weight min(1, 0.3 * 3)
-    assert c.alpha("r") == pytest.approx(0.1 * 0.6 + 0.9 * 2 / 3)
+def test_acceptance_per_position():
+    c = SpecController(max_k=4, prior_alpha=0.6, prior_weight=2.0)
+    assert c.rates("r") == [0.6] * 4
+    c.record_acceptance("r", 4, 2)  # drafts 1, 2 accepted, 3 rejected, 4 never verified
+    g = [0.95 * 0.6 + 0.05, 0.95 * 0.6 + 0.05, 0.95 * 0.6, 0.6]
+    assert c.global_rates == pytest.approx(g)
+    assert c.rates("r") == pytest.approx([(1 + 2 * g[0]) / 3, (1 + 2 * g[1]) / 3, (0 + 2 * g[2]) / 3, g[3]])
+    before = c.rates("r")
     c.record_acceptance("r", 0, 0)  # no drafts: no observation
-    assert c.alpha("r") == pytest.approx(0.1 * 0.6 + 0.9 * 2 / 3)
-    c.record_acceptance("r", 4, 4)  # 4 successes, no failure: rate 1, weight 1
-    assert c.alpha("r") == pytest.approx(1.0)
+    assert c.rates("r") == before
+    assert c.gains("r") == pytest.approx([before[0], before[0] * before[1], before[0] * before[1] * before[2],
+                                          before[0] * before[1] * before[2] * before[3]])
     c.drop("r")
-    # A forgotten (or new) request starts from the recent acceptance over all requests, not the prior.
-    assert c.alpha("r") == c.global_alpha
-    assert c.global_alpha == pytest.approx(0.95 * (0.95 * 0.6 + 0.05 * 2 / 3) + 0.05 * 1.0)
+    # A forgotten (or new) request starts from the recent acceptance over all requests.
+    assert c.rates("r") == c.global_rates
+
+
+def test_bursty_acceptance_drafts_deeper_than_iid():
+    """n-gram-like acceptance: the first draft is a coin flip, but a match that survives it survives the rest.
+    Per-position rates see that drafts 2..K are nearly free tokens; a single i.i.d. alpha would not."""
+    c = SpecController(max_k=5)
+    for n in range(1, 7):
+        c.record_target(n, 0.010 + 0.0015 * (n - 1))
+    c.record_draft(1, 0.0001)
+    for i in range(40):
+        c.record_acceptance("r", 5, 5 if i % 2 else 0)
+    rates = c.rates("r")
+    assert rates[0] == pytest.approx(0.5, abs=0.1) and min(rates[1:]) > 0.8
+    assert c.choose_ks(["r"]) == [5]
+
+
+def test_per_request_k_in_one_batch():
+    """One request whose drafts are always accepted, one whose drafts never are: only the first drafts."""
+    c = SpecController(max_k=4)
+    for n in (2, 3, 4, 5, 6, 7, 8, 9, 10):
+        c.record_target(n, 0.010 + 0.002 * n)
+    c.record_draft(1, 0.0002)
+    c.record_draft(2, 0.0003)
+    for _ in range(20):
+        c.record_acceptance("good", 4, 4)
+        c.record_acceptance("bad", 4, 0)
+    assert c.choose_ks(["good", "bad"]) == [4, 0]
+    assert c.choose_k(["good", "bad"]) == 4 and c.last_k == 4
 
 
 def test_exploration_backs_off_while_drafts_keep_losing():
@@ -240,8 +270,9 @@ def test_choose_k_depends_on_batch_through_measured_cost():
     c.record_draft(1, 0.0005)
     c.record_draft(64, 0.002)
     reqs = [f"r{i}" for i in range(64)]
-    for r in reqs:
-        c.record_acceptance(r, 4, 2)
+    for i in range(8):
+        for r in reqs:
+            c.record_acceptance(r, 4, (0, 2, 0, 4)[i % 4])  # first draft accepted every other pass
     assert c.choose_k(reqs[:1]) > 0
     assert c.choose_k(reqs) == 0
 

@@ -1,10 +1,14 @@
-"""Choose k (0 = no speculation) each step from measured acceptance and measured cost.
+"""Choose each request's k (0 = no speculation) every step from measured acceptance and measured cost.
 
-Cost model (SPECULATION.md): a step with B decoding requests and k drafts each costs
-``T_target(B (k + 1) tokens) + k T_draft(B)``, versus ``T_target(B)`` without speculation; it emits
-``sum_i E(alpha_i, k)`` tokens with ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` (Leviathan et al. 2023, eq. 1).
-We pick the k that maximises tokens per second. ``T_target`` is measured online, a small table by token
-count over the steps actually run; ``T_draft`` per draft step by batch size likewise. Speculation is therefore turned off by
+Cost model (SPECULATION.md): a step with B decoding requests drafting k_i tokens each costs
+``T_target(B + sum k_i tokens) + max k_i * T_draft(#drafting)``, versus ``T_target(B)`` without speculation.
+With i.i.d. per-token acceptance a, a pass emits ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens (Leviathan et
+al. 2023, eq. 1). Acceptance is not i.i.d. in practice (an n-gram match that survives its first token tends to
+survive the next four), so we track it *per draft position*: ``c_j`` = P(draft j accepted | drafts < j
+accepted), and draft j adds ``m_j = c_1 ... c_j`` expected tokens. ``m_j`` falls with j, so the best
+allocation is a prefix of all (request, position) pairs sorted by ``m``: we try every prefix length and keep
+the one with the most tokens per second. ``T_target`` is measured online, a small table by token count over the
+steps actually run; ``T_draft`` per draft step by batch size likewise. Speculation is therefore turned off by
 measurement (large batches make the target compute-bound), never by a fixed batch threshold.
 """
 
@@ -76,37 +80,54 @@ class StepCost:
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
+class _Acceptance:
+    """Decayed counts of (accepted, tried) per draft position 1..K -> conditional acceptance c_j."""
+
+    __slots__ = ("acc", "tried")
+
+    def __init__(self, k: int) -> None:
+        self.acc = [0.0] * k
+        self.tried = [0.0] * k
+
+    def observe(self, num_draft: int, num_accepted: int, decay: float) -> None:
+        """Drafts 1..num_accepted were accepted; draft num_accepted + 1 (if drafted) was rejected."""
+        for j in range(min(num_draft, num_accepted + 1, len(self.acc))):
+            self.acc[j] = decay * self.acc[j] + (1.0 if j < num_accepted else 0.0)
+            self.tried[j] = decay * self.tried[j] + 1.0
+
+
 class SpecController:
-    """Acceptance per request (running average) + measured costs -> k for this step."""
+    """Per-position acceptance per request + measured costs -> each request's k for this step."""
 
     def __init__(self, max_k: int, adaptive: bool = True, prior_alpha: float = 0.6,
-                 explore_every: int = 16) -> None:
+                 explore_every: int = 16, prior_weight: float = 2.0) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
-        self.prior_alpha = prior_alpha
         self.explore_every = explore_every
+        self.prior_weight = prior_weight  # pseudo-observations of the global rate in a request's estimate
         self.target_cost = StepCost()
         self.draft_cost = StepCost()
-        self._alpha: dict[str, float] = {}
+        self._acc: dict[str, _Acceptance] = {}
         self._step = 0
         self._since_explore = 0
         self._explore_gap = explore_every
-        # Acceptance of recent passes over all requests: the starting estimate for a new request.
-        self.global_alpha = prior_alpha
-        self.last_k = max_k
+        # Conditional acceptance per position over all recent passes: the prior of every request's estimate
+        # (a new request starts from it).
+        self.global_rates = [prior_alpha] * max(1, max_k)
+        self.last_k = max_k  # the largest k of the last step (the `spec_decode_k` gauge)
 
     # -- measurements ---------------------------------------------------------------------------------------
     def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int) -> None:
-        """Running average of per-position acceptance; a pass that stops at the first rejection observes
-        num_accepted successes and (num_draft > num_accepted) one failure."""
+        """One verification pass: num_accepted of num_draft drafts accepted (it stops at the first rejection)."""
         if num_draft <= 0:
             return
-        trials = num_accepted + (1 if num_accepted < num_draft else 0)
-        rate = num_accepted / trials
-        a = self._alpha.get(req_id, self.global_alpha)
-        w = min(1.0, 0.3 * trials)
-        self._alpha[req_id] = (1 - w) * a + w * rate
-        self.global_alpha = 0.95 * self.global_alpha + 0.05 * rate
+        k = len(self.global_rates)
+        acc = self._acc.get(req_id)
+        if acc is None:
+            acc = self._acc[req_id] = _Acceptance(k)
+        acc.observe(num_draft, num_accepted, decay=0.8)
+        for j in range(min(num_draft, num_accepted + 1, k)):
+            self.global_rates[j] = 0.95 * self.global_rates[j] + 0.05 * (1.0 if j < num_accepted else 0.0)
 
     def record_target(self, num_tokens: int, seconds: float) -> None:
         self.target_cost.add(num_tokens, seconds)
@@ -115,53 +136,83 @@ class SpecController:
         self.draft_cost.add(num_reqs, seconds_per_step)
 
     def drop(self, req_id: str) -> None:
-        self._alpha.pop(req_id, None)
+        self._acc.pop(req_id, None)
+
+    def rates(self, req_id: str) -> list[float]:
+        """Conditional acceptance c_1..c_K of a request: its decayed counts over the global prior."""
+        acc, w = self._acc.get(req_id), self.prior_weight
+        if acc is None:
+            return list(self.global_rates)
+        return [(a + w * g) / (t + w) for a, t, g in zip(acc.acc, acc.tried, self.global_rates)]
 
     def alpha(self, req_id: str) -> float:
-        return self._alpha.get(req_id, self.global_alpha)
+        """The first draft's acceptance probability (c_1)."""
+        return self.rates(req_id)[0]
+
+    def gains(self, req_id: str) -> list[float]:
+        """m_j = c_1 ... c_j: expected tokens draft j adds (non-increasing in j)."""
+        out, m = [], 1.0
+        for c in self.rates(req_id)[:self.max_k]:
+            m *= c
+            out.append(m)
+        return out
 
     # -- decision -------------------------------------------------------------------------------------------
     def choose_k(self, req_ids: list[str], other_tokens: int = 0) -> int:
-        """k for the next step of these decoding requests; ``other_tokens`` are prefill tokens sharing it."""
+        """The largest k of this step (see ``choose_ks``)."""
+        return max(self.choose_ks(req_ids, other_tokens), default=0)
+
+    def choose_ks(self, req_ids: list[str], other_tokens: int = 0) -> list[int]:
+        """k per request for the next step of these decoding requests; ``other_tokens`` are prefill tokens
+        sharing the step."""
         if not req_ids:
-            return 0
+            return []
         if not self.adaptive:
-            return self.max_k
-        b = len(req_ids)
+            self.last_k = self.max_k
+            return [self.max_k] * len(req_ids)
         self._step += 1
-        if self.target_cost.distinct() < 2:
-            # One token count measured so far: the cost slope is unknown, so measure the other extreme.
-            best_k = 0 if self.last_k else self.max_k
+        if self.target_cost.distinct() < 2 or (self.draft_cost.distinct() == 0 and self.max_k):
+            # The cost slope (or the draft's cost) is unknown: measure the other extreme.
+            ks = [0 if self.last_k else self.max_k] * len(req_ids)
         else:
-            best_k, best_rate = 0, -1.0
-            for k in range(self.max_k + 1):
-                rate = self._rate(req_ids, b, k, other_tokens)
-                if rate is None:  # no draft-cost data yet: try it
-                    best_k = k
-                    break
-                if rate > best_rate * 1.0001:
-                    best_k, best_rate = k, rate
+            ks = self._best(req_ids, other_tokens)
             self._since_explore += 1
             if self._since_explore >= self._explore_gap:  # keep the estimates honest around the optimum
                 self._since_explore = 0
+                off = not any(ks)
                 # NOTE: exploring away from k = 0 costs real time when drafts keep failing, so the gap
                 # doubles each time the model still says "off", and resets once speculation pays again.
-                self._explore_gap = min(self._explore_gap * 2, 64 * self.explore_every) if best_k == 0 \
+                self._explore_gap = min(self._explore_gap * 2, 64 * self.explore_every) if off \
                     else self.explore_every
-                best_k = min(self.max_k, best_k + 1) if best_k == 0 or self._step % 2 else best_k - 1
-        self.last_k = best_k
-        return best_k
+                step = 1 if off or self._step % 2 else -1
+                ks = [min(self.max_k, max(0, k + step)) for k in ks]
+        self.last_k = max(ks)
+        return ks
 
-    def _rate(self, req_ids: list[str], b: int, k: int, other: int) -> float | None:
-        t_target = self.target_cost.predict(other + b * (k + 1))
-        if t_target is None:
-            return None
-        t_draft = 0.0
-        if k:
-            d = self.draft_cost.predict(b)
-            if d is None:
-                return None
-            t_draft = k * d
-        tokens = sum(expected_tokens(self.alpha(r), k) for r in req_ids)
-        total = t_target + t_draft
-        return tokens / total if total > 0 and math.isfinite(total) else None
+    def _best(self, req_ids: list[str], other: int) -> list[int]:
+        """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s."""
+        b = len(req_ids)
+        pairs = sorted(((m, i) for i, r in enumerate(req_ids) for m in self.gains(r)), key=lambda x: -x[0])
+        ks = [0] * b
+        best_n, best_rate = 0, self._rate(b, other, 0, float(b), 0, 0)
+        tokens, k_max, drafting = float(b), 0, 0
+        for n, (m, i) in enumerate(pairs, start=1):
+            if m <= 0.0:
+                break
+            drafting += ks[i] == 0
+            ks[i] += 1
+            k_max = max(k_max, ks[i])
+            tokens += m
+            rate = self._rate(b, other, n, tokens, k_max, drafting)
+            if rate > best_rate * 1.0001:
+                best_n, best_rate = n, rate
+        out = [0] * b
+        for _, i in pairs[:best_n]:
+            out[i] += 1
+        return out
+
+    def _rate(self, b: int, other: int, drafts: int, tokens: float, k_max: int, drafting: int) -> float:
+        t = self.target_cost.predict(other + b + drafts) or 0.0
+        if k_max:
+            t += k_max * (self.draft_cost.predict(drafting) or 0.0)
+        return tokens / t if t > 0 and math.isfinite(t) else 0.0
