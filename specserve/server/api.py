@@ -13,23 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import signal
 import socket
 import sys
-import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from types import FrameType
 from typing import Any
 
-import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -38,56 +35,29 @@ from specserve.config import EngineConfig
 from specserve.engine.async_engine import (
     AsyncEngine,
     EngineClosedError,
-    EngineStepError,
-    QueueFullError,
-    RequestStream,
-    merge_streams,
 )
 from specserve.engine.engine import Engine
-from specserve.outputs import CompletionOutput, RequestOutput
-from specserve.sampling_params import SamplingParams
 from specserve.server import protocol as proto
 from specserve.server import webui
-from specserve.server.metrics import RequestTimer, ServerMetrics
+from specserve.server.errors import APIError, as_api_error
+from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    Delta,
-    ErrorInfo,
-    ErrorResponse,
+)
+from specserve.server.serving import (
+    Run,
+    chat_chunks,
+    chat_response,
+    collect,
+    completion_chunks,
+    completion_response,
+    events,
+    sse_response,
+    start,
 )
 
 log = logging.getLogger("specserve.server")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        # NOTE: a message quoting the request may hold lone surrogates, which JSON responses cannot encode.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        super().__init__(message)
-        self.status, self.info = status, ErrorInfo(message=message, type=type, param=param, code=code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
-
-
-def as_api_error(e: BaseException, fields: set[str] | None = None) -> APIError:
-    """Map engine and validation exceptions to HTTP errors (anything unexpected is a 500)."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, QueueFullError):
-        return APIError(429, str(e), "rate_limit_exceeded", code="rate_limit_exceeded")
-    if isinstance(e, EngineClosedError):
-        return APIError(503, str(e), "server_error", code="service_unavailable")
-    if isinstance(e, EngineStepError):
-        return APIError(500, str(e), "server_error", code="internal_error")
-    if isinstance(e, ValueError):
-        first = str(e).split(" ", 1)[0]
-        return APIError(400, str(e), param=first if fields and first in fields else None)
-    log.error("unexpected error", exc_info=(type(e), e, e.__traceback__))
-    return APIError(500, f"internal server error ({type(e).__name__}: {e})", "server_error",
-                    code="internal_error")
 
 
 class _State:
@@ -202,210 +172,6 @@ class _GuardMiddleware:
         await self.app(scope, replay, send)
 
 
-class _SSEResponse(StreamingResponse):
-    """Streams while listening for the client's disconnect (which cancels the stream, so the generator's
-    ``finally`` aborts the request at once, even while it waits for output), then always closes the body."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):  # uvicorn's ClientDisconnected
-                        await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(self.body_iterator, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def _sse_response(events: AsyncIterator[str]) -> _SSEResponse:
-    return _SSEResponse(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-# -- running requests ----------------------------------------------------------------------------------------
-async def _start(state: _State, base_id: str, prompts: list[str | list[int]], params: SamplingParams,
-                 speculative: bool) -> list[RequestStream]:
-    """Add one engine request per prompt; all or nothing (validation errors raise before any streaming)."""
-    streams: list[RequestStream] = []
-    if len(prompts) > state.engine.max_queue:  # could never be admitted at once: not a 429 "retry later"
-        raise APIError(400, f"Too many prompts in one request ({len(prompts)}); this server takes at most "
-                            f"{state.engine.max_queue} (--max-queue).", param="prompt")
-    try:
-        for i, p in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            if isinstance(p, str) and state.max_prompt_tokens is not None:  # count here to apply the limit
-                ids = state.tokenizer.encode(p)
-                state.check_prompt_tokens(len(ids), "prompt")
-                streams.append(await state.engine.add_request(rid, p, params, prompt_token_ids=ids,
-                                                              speculative=speculative))
-            elif isinstance(p, str):
-                streams.append(await state.engine.add_request(rid, p, params, speculative=speculative))
-            else:
-                state.check_prompt_tokens(len(p), "prompt")
-                streams.append(await state.engine.add_request(rid, None, params, prompt_token_ids=p,
-                                                              speculative=speculative))
-    except BaseException:
-        for s in streams:
-            s.abort()
-        raise
-    return streams
-
-
-class _Run:
-    """One HTTP request's engine requests: merged outputs, per-choice deltas, timing and usage."""
-
-    def __init__(self, state: _State, rid: str, streams: list[RequestStream], params: SamplingParams,
-                 include_usage: bool) -> None:
-        self.state, self.id, self.streams, self.params = state, rid, streams, params
-        self.include_usage = include_usage
-        self.model = state.served_name
-        self.created = int(time.time())
-        self.timer: RequestTimer = state.metrics.timer()
-        self.final: list[RequestOutput | None] = [None] * len(streams)
-        self.deltas: dict[int, Delta] = {}
-        self._num_tokens = 0
-        self._hold = max((len(s) for s in params.stop or []), default=1) - 1  # see Delta
-        self.spec_info: webui.SpecInfo | None = None  # stream_options.include_spec_info (server/webui.py)
-
-    async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        async for i, out in merge_streams(self.streams):
-            self.final[i] = out
-            total = sum(len(c.token_ids) for o in self.final if o is not None for c in o.outputs)
-            self.timer.on_tokens(total - self._num_tokens)
-            self._num_tokens = total
-            yield i, out
-
-    def advance(self, index: int, comp: CompletionOutput) -> tuple[str, int, int] | None:
-        """The choice's new text and token range, or None when there is nothing worth a chunk."""
-        step = self.deltas.setdefault(index, Delta(self._hold)).advance(comp)
-        if step is None or (not step[0] and not comp.finished and
-                            (self.params.logprobs is None or step[1] == step[2])):
-            return None
-        return step
-
-    def decode(self, token_id: int) -> str:
-        return self.state.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def finish(self) -> None:
-        reasons = [c.finish_reason for o in self.final if o is not None for c in o.outputs]
-        reasons += [None] * (len(self.final) * self.params.n - len(reasons))
-        self.timer.on_finish(reasons)
-
-    def abort(self) -> None:
-        for s in self.streams:
-            s.abort()
-
-    def usage(self) -> proto.Usage:
-        return proto.usage([o for o in self.final if o is not None])
-
-    def choices(self) -> list[tuple[int, CompletionOutput]]:
-        """(choice index, completion) in OpenAI's order: prompt-major, then n."""
-        out = []
-        for i, o in enumerate(self.final):
-            for j in range(self.params.n):
-                comp = o.outputs[j] if o is not None else CompletionOutput(j, "", [], "abort")
-                out.append((i * self.params.n + j, comp))
-        return out
-
-
-async def _collect(run: _Run, raw: Request) -> None:
-    try:
-        async with contextlib.aclosing(run.outputs()) as outputs:
-            async for _ in outputs:
-                if await raw.is_disconnected():
-                    log.info("client gone: aborting %s", run.id)
-                    break
-    finally:
-        run.abort()
-        run.finish()
-
-
-async def _events(run: _Run, chunks: AsyncGenerator[dict[str, Any], None], obj: str) -> AsyncIterator[str]:
-    """SSE body: the route's chunks, the usage chunk when asked, [DONE]; errors as an error event."""
-    try:
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                if run.include_usage:
-                    chunk["usage"] = None
-                yield _sse(chunk)
-        if run.include_usage:
-            yield _sse({"id": run.id, "object": obj, "created": run.created, "model": run.model,
-                        "choices": [], "usage": run.usage().model_dump()})
-        yield _sse("[DONE]")
-    except Exception as e:
-        yield _sse(ErrorResponse(error=as_api_error(e).info).model_dump())
-        yield _sse("[DONE]")
-    finally:
-        run.abort()  # NOTE: synchronous: safe while this generator is being cancelled by a disconnect
-        run.finish()
-
-
-async def _completion_chunks(run: _Run) -> AsyncGenerator[dict[str, Any], None]:
-    n, want_lp = run.params.n, run.params.logprobs is not None
-    async for i, out in run.outputs():
-        for comp in out.outputs:
-            idx = i * n + comp.index
-            offset = run.deltas[idx].sent if idx in run.deltas else 0
-            step = run.advance(idx, comp)
-            if step is None:
-                continue
-            text, t0, t1 = step
-            entries = (comp.logprobs or [])[t0:t1]
-            lp = proto.completion_logprobs(run.decode, entries, offset) if want_lp else None
-            choice = {"index": idx, "text": text, "logprobs": lp,
-                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
-            if run.spec_info is not None:
-                choice.update(run.spec_info.fields(idx, out.prompt_token_ids, comp, text, run.deltas[idx].sent))
-            yield {"id": run.id, "object": "text_completion", "created": run.created, "model": run.model,
-                   "choices": [choice]}
-
-
-async def _chat_chunks(run: _Run) -> AsyncGenerator[dict[str, Any], None]:
-    want_lp = run.params.logprobs is not None
-
-    def chunk(index: int, delta: dict[str, Any], lp: dict[str, Any] | None = None,
-              finish: str | None = None) -> dict[str, Any]:
-        return {"id": run.id, "object": "chat.completion.chunk", "created": run.created, "model": run.model,
-                "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
-
-    for j in range(run.params.n):
-        yield chunk(j, {"role": "assistant", "content": ""})
-    async for _, out in run.outputs():
-        for comp in out.outputs:
-            step = run.advance(comp.index, comp)
-            if step is None:
-                continue
-            text, t0, t1 = step
-            lp = proto.chat_logprobs(run.decode, (comp.logprobs or [])[t0:t1]) if want_lp else None
-            delta: dict[str, Any] = {"content": text} if text else {}
-            if run.spec_info is not None:
-                delta.update(run.spec_info.fields(comp.index, out.prompt_token_ids, comp, text,
-                                                  run.deltas[comp.index].sent))
-            yield chunk(comp.index, delta, lp, comp.finish_reason)
-
-
-def _completion_response(run: _Run) -> dict[str, Any]:
-    decode = run.decode if run.params.logprobs is not None else None
-    return proto.completion_response(run.id, run.created, run.model, run.choices(), run.usage(), decode)
-
-
-def _chat_response(run: _Run) -> dict[str, Any]:
-    decode = run.decode if run.params.logprobs is not None else None
-    return proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode)
-
-
 # -- app -----------------------------------------------------------------------------------------------------
 def default_served_name(engine: Engine) -> str:
     path = engine.config.model.model
@@ -500,16 +266,16 @@ def _add_routes(app: FastAPI, state: _State) -> None:
             state.check_model(body.model)
             params = body.sampling_params(body.max_tokens, body.logprobs)
             rid = f"cmpl-{uuid.uuid4().hex}"
-            streams = await _start(state, rid, body.prompts(), params, body.speculative is not False)
+            streams = await start(state, rid, body.prompts(), params, body.speculative is not False)
         except Exception as e:
             return as_api_error(e, completion_fields).response()
-        run = _Run(state, rid, streams, params, body.include_usage)
+        run = Run(state, rid, streams, params, body.include_usage)
         run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         if body.stream:
-            return _sse_response(_events(run, _completion_chunks(run), "text_completion"))
+            return sse_response(events(run, completion_chunks(run), "text_completion"))
         try:
-            await _collect(run, raw)
-            return JSONResponse(_completion_response(run))
+            await collect(run, raw)
+            return JSONResponse(completion_response(run))
         except Exception as e:
             return as_api_error(e).response()
 
@@ -522,16 +288,16 @@ def _add_routes(app: FastAPI, state: _State) -> None:
             max_tokens = body.resolve_max_tokens(len(ids), state.max_model_len)
             params = body.sampling_params(max_tokens, body.num_logprobs())
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            streams = await _start(state, rid, [ids], params, body.speculative is not False)
+            streams = await start(state, rid, [ids], params, body.speculative is not False)
         except Exception as e:
             return as_api_error(e, chat_fields).response()
-        run = _Run(state, rid, streams, params, body.include_usage)
+        run = Run(state, rid, streams, params, body.include_usage)
         run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         if body.stream:
-            return _sse_response(_events(run, _chat_chunks(run), "chat.completion.chunk"))
+            return sse_response(events(run, chat_chunks(run), "chat.completion.chunk"))
         try:
-            await _collect(run, raw)
-            return JSONResponse(_chat_response(run))
+            await collect(run, raw)
+            return JSONResponse(chat_response(run))
         except Exception as e:
             return as_api_error(e).response()
 

@@ -1,0 +1,238 @@
+"""Serving one HTTP request: engine requests per prompt, merged outputs, SSE chunks and final responses.
+
+``api.py`` owns the app, routes and middleware; this module turns engine outputs into OpenAI's completion and
+chat shapes (streamed or not). Disconnects abort at once: ``_SSEResponse`` cancels the body generator, whose
+``finally`` aborts the engine requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from specserve.engine.async_engine import RequestStream, merge_streams
+from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.sampling_params import SamplingParams
+from specserve.server import protocol as proto
+from specserve.server import webui
+from specserve.server.errors import APIError, as_api_error
+from specserve.server.metrics import RequestTimer
+from specserve.server.protocol import Delta, ErrorResponse
+
+if TYPE_CHECKING:
+    from specserve.server.api import _State
+
+log = logging.getLogger("specserve.server")
+
+
+class _SSEResponse(StreamingResponse):
+    """Streams while listening for the client's disconnect (which cancels the stream, so the generator's
+    ``finally`` aborts the request at once, even while it waits for output), then always closes the body."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # uvicorn's ClientDisconnected
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+
+
+def sse(obj: Any) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> _SSEResponse:
+    return _SSEResponse(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# -- running requests ----------------------------------------------------------------------------------------
+async def start(state: _State, base_id: str, prompts: list[str | list[int]], params: SamplingParams,
+                 speculative: bool) -> list[RequestStream]:
+    """Add one engine request per prompt; all or nothing (validation errors raise before any streaming)."""
+    streams: list[RequestStream] = []
+    if len(prompts) > state.engine.max_queue:  # could never be admitted at once: not a 429 "retry later"
+        raise APIError(400, f"Too many prompts in one request ({len(prompts)}); this server takes at most "
+                            f"{state.engine.max_queue} (--max-queue).", param="prompt")
+    try:
+        for i, p in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            if isinstance(p, str) and state.max_prompt_tokens is not None:  # count here to apply the limit
+                ids = state.tokenizer.encode(p)
+                state.check_prompt_tokens(len(ids), "prompt")
+                streams.append(await state.engine.add_request(rid, p, params, prompt_token_ids=ids,
+                                                              speculative=speculative))
+            elif isinstance(p, str):
+                streams.append(await state.engine.add_request(rid, p, params, speculative=speculative))
+            else:
+                state.check_prompt_tokens(len(p), "prompt")
+                streams.append(await state.engine.add_request(rid, None, params, prompt_token_ids=p,
+                                                              speculative=speculative))
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    return streams
+
+
+class Run:
+    """One HTTP request's engine requests: merged outputs, per-choice deltas, timing and usage."""
+
+    def __init__(self, state: _State, rid: str, streams: list[RequestStream], params: SamplingParams,
+                 include_usage: bool) -> None:
+        self.state, self.id, self.streams, self.params = state, rid, streams, params
+        self.include_usage = include_usage
+        self.model = state.served_name
+        self.created = int(time.time())
+        self.timer: RequestTimer = state.metrics.timer()
+        self.final: list[RequestOutput | None] = [None] * len(streams)
+        self.deltas: dict[int, Delta] = {}
+        self._num_tokens = 0
+        self._hold = max((len(s) for s in params.stop or []), default=1) - 1  # see Delta
+        self.spec_info: webui.SpecInfo | None = None  # stream_options.include_spec_info (server/webui.py)
+
+    async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        async for i, out in merge_streams(self.streams):
+            self.final[i] = out
+            total = sum(len(c.token_ids) for o in self.final if o is not None for c in o.outputs)
+            self.timer.on_tokens(total - self._num_tokens)
+            self._num_tokens = total
+            yield i, out
+
+    def advance(self, index: int, comp: CompletionOutput) -> tuple[str, int, int] | None:
+        """The choice's new text and token range, or None when there is nothing worth a chunk."""
+        step = self.deltas.setdefault(index, Delta(self._hold)).advance(comp)
+        if step is None or (not step[0] and not comp.finished and
+                            (self.params.logprobs is None or step[1] == step[2])):
+            return None
+        return step
+
+    def decode(self, token_id: int) -> str:
+        return self.state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def finish(self) -> None:
+        reasons = [c.finish_reason for o in self.final if o is not None for c in o.outputs]
+        reasons += [None] * (len(self.final) * self.params.n - len(reasons))
+        self.timer.on_finish(reasons)
+
+    def abort(self) -> None:
+        for s in self.streams:
+            s.abort()
+
+    def usage(self) -> proto.Usage:
+        return proto.usage([o for o in self.final if o is not None])
+
+    def choices(self) -> list[tuple[int, CompletionOutput]]:
+        """(choice index, completion) in OpenAI's order: prompt-major, then n."""
+        out = []
+        for i, o in enumerate(self.final):
+            for j in range(self.params.n):
+                comp = o.outputs[j] if o is not None else CompletionOutput(j, "", [], "abort")
+                out.append((i * self.params.n + j, comp))
+        return out
+
+
+async def collect(run: Run, raw: Request) -> None:
+    try:
+        async with contextlib.aclosing(run.outputs()) as outputs:
+            async for _ in outputs:
+                if await raw.is_disconnected():
+                    log.info("client gone: aborting %s", run.id)
+                    break
+    finally:
+        run.abort()
+        run.finish()
+
+
+async def events(run: Run, chunks: AsyncGenerator[dict[str, Any], None], obj: str) -> AsyncIterator[str]:
+    """SSE body: the route's chunks, the usage chunk when asked, [DONE]; errors as an error event."""
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if run.include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        if run.include_usage:
+            yield sse({"id": run.id, "object": obj, "created": run.created, "model": run.model,
+                        "choices": [], "usage": run.usage().model_dump()})
+        yield sse("[DONE]")
+    except Exception as e:
+        yield sse(ErrorResponse(error=as_api_error(e).info).model_dump())
+        yield sse("[DONE]")
+    finally:
+        run.abort()  # NOTE: synchronous: safe while this generator is being cancelled by a disconnect
+        run.finish()
+
+
+async def completion_chunks(run: Run) -> AsyncGenerator[dict[str, Any], None]:
+    n, want_lp = run.params.n, run.params.logprobs is not None
+    async for i, out in run.outputs():
+        for comp in out.outputs:
+            idx = i * n + comp.index
+            offset = run.deltas[idx].sent if idx in run.deltas else 0
+            step = run.advance(idx, comp)
+            if step is None:
+                continue
+            text, t0, t1 = step
+            entries = (comp.logprobs or [])[t0:t1]
+            lp = proto.completion_logprobs(run.decode, entries, offset) if want_lp else None
+            choice = {"index": idx, "text": text, "logprobs": lp,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            if run.spec_info is not None:
+                choice.update(run.spec_info.fields(idx, out.prompt_token_ids, comp, text, run.deltas[idx].sent))
+            yield {"id": run.id, "object": "text_completion", "created": run.created, "model": run.model,
+                   "choices": [choice]}
+
+
+async def chat_chunks(run: Run) -> AsyncGenerator[dict[str, Any], None]:
+    want_lp = run.params.logprobs is not None
+
+    def chunk(index: int, delta: dict[str, Any], lp: dict[str, Any] | None = None,
+              finish: str | None = None) -> dict[str, Any]:
+        return {"id": run.id, "object": "chat.completion.chunk", "created": run.created, "model": run.model,
+                "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+    for j in range(run.params.n):
+        yield chunk(j, {"role": "assistant", "content": ""})
+    async for _, out in run.outputs():
+        for comp in out.outputs:
+            step = run.advance(comp.index, comp)
+            if step is None:
+                continue
+            text, t0, t1 = step
+            lp = proto.chat_logprobs(run.decode, (comp.logprobs or [])[t0:t1]) if want_lp else None
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if run.spec_info is not None:
+                delta.update(run.spec_info.fields(comp.index, out.prompt_token_ids, comp, text,
+                                                  run.deltas[comp.index].sent))
+            yield chunk(comp.index, delta, lp, comp.finish_reason)
+
+
+def completion_response(run: Run) -> dict[str, Any]:
+    decode = run.decode if run.params.logprobs is not None else None
+    return proto.completion_response(run.id, run.created, run.model, run.choices(), run.usage(), decode)
+
+
+def chat_response(run: Run) -> dict[str, Any]:
+    decode = run.decode if run.params.logprobs is not None else None
+    return proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode)
