@@ -134,3 +134,14 @@ def test_collate_over_a_draft_vocabulary_drops_tokens_outside_it():
     assert b.pos.tolist() == [0] and b.rows.tolist() == [0]  # position 1's targets (8, 9) are all outside
     assert b.vocab.tolist() == [3, 4] and b.top_ids.tolist() == [[0, 0]]
     assert b.top_p.tolist() == [[1.0, 0.0]]  # 9 dropped, 3 renormalised
+
+
+def test_held_out_prompts_written_as_bench_datasets(tmp_path):
+    from specserve.bench.workloads import load_dataset
+    from specserve.distill.cli import _write_held_out
+
+    written = _write_held_out(str(tmp_path), "chat,code,prompts.txt", {"chat-003", "code-010", "code-011"})
+    assert written == ["heldout-chat.jsonl", "heldout-code.jsonl"]
+    code = load_dataset(str(tmp_path / "heldout-code.jsonl"))
+    assert [it.id for it in code] == ["code-010", "code-011"]
+    assert code[0].messages == next(it for it in load_dataset("code") if it.id == "code-010").messages

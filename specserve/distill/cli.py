@@ -88,7 +88,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     walls["train_s"] = round(time.perf_counter() - t0, 1)
     meta |= {"command": "specserve " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["distill"] else None,
              "dataset": args.dataset, "num_train_prompts": len(train_prompts),
-             "held_out_prompt_ids": [p.id for p in held]}
+             "held_out_prompt_ids": [p.id for p in held],
+             "held_out_files": _write_held_out(args.out, args.dataset, {p.id for p in held})}
     del llm
     gc.collect()
     evaluation = None
@@ -108,6 +109,22 @@ def cmd_distill(args: argparse.Namespace) -> int:
     print(json.dumps({"out": args.out, "kind": args.kind, "steps": meta["steps"], "wall_time": walls,
                       "acceptance_by_k": {r["k"]: r["acceptance_rate"] for r in (evaluation or {}).get("by_k", [])}}))
     return 0
+
+
+def _write_held_out(out: str, dataset: str, held: set[str]) -> list[str]:
+    """``DIR/heldout-<workload>.jsonl`` per built-in workload: the prompts training never saw, for
+    ``specserve bench offline --dataset DIR/heldout-code.jsonl`` (an honest acceptance measurement)."""
+    from specserve.bench.workloads import BUILDERS, load_dataset
+
+    written = []
+    for name in [n.strip() for n in dataset.split(",") if n.strip() in BUILDERS]:
+        items = [it for it in load_dataset(name) if it.id in held]
+        if items:
+            path = os.path.join(out, f"heldout-{name}.jsonl")
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(it.to_json(), ensure_ascii=False) + "\n" for it in items)
+            written.append(os.path.basename(path))
+    return written
 
 
 def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], list[Any]]:
