@@ -1,14 +1,15 @@
 """One GPU check, run through the device tool when a task is lent a GPU (see gpu_check.sh).
 
 Measures, in one process: batch-1 decode tok/s for the demo model and for a random-weight ~1B Llama shape
-against the HBM-bandwidth roofline (weight bytes / bandwidth), and speculation (ngram) off vs on at batch
-1 and 32 with greedy outputs compared. Writes JSON to $OUT/gpu_check.json (or --out). ``--tiny`` runs the
+against the HBM-bandwidth roofline (weight bytes / bandwidth), speculation (ngram) off vs on at batch
+1 and 32 with greedy outputs compared, and batch-1 decode with graphs (the default) vs ``--enforce-eager``. Writes JSON to $OUT/gpu_check.json (or --out). ``--tiny`` runs the
 same code on CPU with tiny shapes, so the script itself is tested where no GPU exists.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -64,8 +65,9 @@ def decode_tok_s(llm, prompt_ids: list[list[int]], max_tokens: int, speculative:
     from specserve import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(None, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                 prompt_token_ids=prompt_ids[:1], speculative=speculative)  # warm-up
+    # warm-up at the measured batch size: Triton compilation and most graph captures happen here
+    llm.generate(None, SamplingParams(temperature=0, max_tokens=min(max_tokens, 16), ignore_eos=True),
+                 prompt_token_ids=prompt_ids, speculative=speculative)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -78,6 +80,17 @@ def decode_tok_s(llm, prompt_ids: list[list[int]], max_tokens: int, speculative:
 
 def weight_bytes(llm) -> int:
     return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+
+
+def graph_buckets(llm) -> list:
+    static = llm.engine.runner.target_step.static
+    return sorted(static.graphs) if static is not None else []
+
+
+def release(gpu: bool) -> None:
+    gc.collect()  # the engine holds reference cycles; its KV cache is most of the device memory
+    if gpu:
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -101,8 +114,9 @@ def main() -> None:
         if not args.tiny:
             models = {"demo": None, **models}
         for label, path in models.items():
-            llm = LLM(path, speculative_method="ngram", num_speculative_tokens=5, speculative_adaptive=False,
-                      max_num_seqs=32, num_blocks=512 if args.tiny else None)
+            engine_args = dict(speculative_method="ngram", num_speculative_tokens=5, speculative_adaptive=False,
+                               max_num_seqs=32, num_blocks=512 if args.tiny else None)
+            llm = LLM(path, **engine_args)
             prompts = demo_prompts if label == "demo" else [[5, 6, 7, 8, 9] * 6]
             off, ref = decode_tok_s(llm, prompts, n_tok, speculative=False)
             wb = weight_bytes(llm)
@@ -118,11 +132,19 @@ def main() -> None:
                 entry[f"spec_batch{b}"] = {"off_tok_s": round(t_off, 2), "on_tok_s": round(t_on, 2),
                                            "ratio": round(t_on / t_off, 3), "greedy_identical": f"{same}/{b}",
                                            "metrics": llm.get_metrics()["speculative"]}
+            entry["graph_buckets_captured"] = [list(b) for b in graph_buckets(llm)]
+            del llm
+            release(gpu)
+            # graphs (the default, measured above as batch1_tok_s) vs --enforce-eager, batch-1 decode
+            eager_llm = LLM(path, enforce_eager=True, **engine_args)
+            eager, eager_out = decode_tok_s(eager_llm, prompts, n_tok, speculative=False)
+            entry["eager_vs_graphs_batch1"] = {"eager_tok_s": round(eager, 2), "graphs_tok_s": round(off, 2),
+                                               "ratio": round(off / eager, 3),
+                                               "greedy_identical": eager_out == ref}
+            del eager_llm
+            release(gpu)
             res[label] = entry
             print(json.dumps({label: entry}), flush=True)
-            del llm
-            if gpu:
-                torch.cuda.empty_cache()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_check.json"), "w") as f:

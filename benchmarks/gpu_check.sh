@@ -3,7 +3,8 @@
 #   device run: bash benchmarks/gpu_check.sh      (carry .whl if packages are missing there)
 # Prints the device, runs the GPU-marked tests (Triton kernels vs the torch reference, greedy equality with
 # speculation on the GPU), then benchmarks/gpu_check.py (decode tok/s vs the HBM roofline for the demo model
-# and a random ~1B Llama; ngram speculation off/on at batch 1 and 32). JSON goes to $OUT/gpu_check.json.
+# and a random ~1B Llama; ngram speculation off/on at batch 1 and 32; batch-1 decode with graphs vs
+# --enforce-eager). JSON goes to $OUT/gpu_check.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

@@ -25,6 +25,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV cache size: bytes (> 1) or a fraction of free memory (<= 1)")
     g.add_argument("--num-kv-blocks", dest="num_blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="GPU: fraction of the free device memory (after the weights) for the KV cache, in "
+                        "(0, 1], default 0.9; --kv-cache-memory and --num-kv-blocks take precedence")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="never capture GPU graphs (used on GPUs for decode and verify steps)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=64)
@@ -43,9 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_KEYS = ("dtype", "device", "max_model_len", "block_size", "kv_cache_memory", "num_blocks",
-               "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "speculative_model",
-               "num_speculative_tokens", "speculative_method", "speculative_config", "draft_layers",
-               "prompt_lookup_min", "prompt_lookup_max", "speculative_adaptive")
+               "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching", "max_num_batched_tokens",
+               "max_num_seqs", "speculative_model", "num_speculative_tokens", "speculative_method",
+               "speculative_config", "draft_layers", "prompt_lookup_min", "prompt_lookup_max",
+               "speculative_adaptive")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

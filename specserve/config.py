@@ -62,6 +62,7 @@ class ModelConfig:
     device: str = "auto"  # one of platform.DEVICE_CHOICES (validated by platform.detect)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
+    enforce_eager: bool = False  # never capture GPU graphs (vLLM's --enforce-eager)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -77,10 +78,16 @@ class CacheConfig:
     kv_cache_memory: float | None = None
     num_blocks: int | None = None  # explicit override (tests)
     enable_prefix_caching: bool = True
+    # On a GPU without kv_cache_memory / num_blocks: the KV cache gets this fraction of the device memory
+    # that is free once the weights are loaded (the rest is headroom for activations and graphs).
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1] (the fraction of free device memory "
+                             f"given to the KV cache), got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive (bytes, or a fraction <= 1)")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -208,8 +215,9 @@ class EngineConfig:
             picked = {n: kw.pop(n) for n in names if n in kw}
             return {n: v for n, v in picked.items() if v is not None}
 
-        model_cfg = ModelConfig(model=model, **take("dtype", "device", "max_model_len", "seed"))
-        cache_kw = take("block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching")
+        model_cfg = ModelConfig(model=model, **take("dtype", "device", "max_model_len", "seed", "enforce_eager"))
+        cache_kw = take("block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching",
+                        "gpu_memory_utilization")
         sched_kw = take("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
         spec = SpeculativeConfig.from_args(
             speculative_model=kw.pop("speculative_model", None),

@@ -8,6 +8,7 @@ attention backend, graph capture, distributed backend) once.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,13 +31,26 @@ class Platform:
     def is_gpu(self) -> bool:
         return self.kind != "cpu"
 
+    @property
+    def can_capture_graphs(self) -> bool:
+        """Graph capture needs the platform's support and a capturable attention backend (Triton; the torch
+        reference plans its gathers from host lists and syncs, so it cannot be captured)."""
+        return self.supports_graphs and self.attention_backend == "triton"
+
+    def graphs_label(self) -> str:
+        if self.can_capture_graphs:
+            return "HIP graphs" if self.kind == "rocm" else "CUDA graphs"
+        if self.supports_graphs:
+            return "eager (the torch attention backend is not capturable)"
+        return "eager (no graph capture on this platform)"
+
     def describe(self) -> dict[str, str]:
         info = {
             "platform": self.kind,
             "device": str(self.device),
             "default_dtype": str(self.default_dtype).replace("torch.", ""),
             "attention_backend": self.attention_backend,
-            "graphs": str(self.supports_graphs),
+            "graphs": self.graphs_label(),
             "dist_backend": self.dist_backend,
             "torch": torch.__version__,
             "torch_threads": str(torch.get_num_threads()),
@@ -93,6 +107,26 @@ def resolve_dtype(platform: Platform, dtype: str) -> torch.dtype:
     if dtype == "auto":
         return platform.default_dtype
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def staged(values: torch.Tensor | Sequence, device: torch.device, dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
+    """Host values as a CPU tensor ready for a non-blocking copy to ``device``: pinned when it is a GPU.
+
+    NOTE: pinned blocks come from torch's caching host allocator, which records an event on every
+    non-blocking copy out of a block and reuses the block only after that copy has run; so the tensor may
+    be dropped right after ``copy_(..., non_blocking=True)``. ``pin_memory`` needs a GPU: never on CPU.
+    """
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return t.pin_memory() if device.type != "cpu" else t
+
+
+def to_device(values: torch.Tensor | Sequence, device: torch.device, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` without a host sync: a blocking host-to-GPU copy
+    waits for the whole stream, a pinned non-blocking one is only queued on it. On CPU: the plain tensor."""
+    t = staged(values, device, dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 def available_cores() -> int:

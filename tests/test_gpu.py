@@ -29,3 +29,28 @@ def test_greedy_equality_with_speculation_on_gpu(dtype):
         assert same == len(PROMPTS)
     else:  # bf16: batch-shape numerics may differ (SPECULATION.md): report, require most identical
         assert same >= len(PROMPTS) - 1
+
+
+def test_graphs_match_eager_on_gpu():
+    """Graphs (decode and verification buckets, padded batches) vs --enforce-eager: fp32 greedy token ids."""
+    import gc
+
+    from specserve.llm import LLM
+
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(None, dtype="float32", enforce_eager=eager, speculative_method="ngram", num_speculative_tokens=3,
+                  speculative_adaptive=False, max_num_seqs=8, kv_cache_memory=float(1 << 30))
+        outs[eager] = ([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp, speculative=False)]
+                       + [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)])
+        runner = llm.engine.runner
+        if not eager:
+            assert runner.graph_plan is not None and runner.graph_plan.capture.num_captures > 0
+            print(f"graph buckets (batch, q, prenorm): {sorted(runner.target_step.static.graphs)}")
+        else:
+            assert runner.graph_plan is None
+        del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]

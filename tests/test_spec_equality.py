@@ -29,6 +29,7 @@ from specserve.llm import LLM
 from specserve.model.attention import build_metadata
 from specserve.model.llama import LlamaModel
 from specserve.sample.sampler import RequestSamplingState, process_logits
+from specserve.spec.controller import SpecController
 from tests.helpers import tiny_hf_model, write_char_tokenizer
 
 METHODS = ("ngram", "layer_skip", "draft")
@@ -285,6 +286,34 @@ def test_greedy_equal_with_chunked_prefill(tiny, method):
     assert_same(f"{method} k=5 chunked prefill", PROMPTS, ref.token_ids, spec.token_ids,
                 ref.llm.engine.runner.model)
     assert_speculated(spec.metrics)
+
+
+class ChaosController(SpecController):
+    """The adaptive controller's interface with a seeded random k per request per step (0 included): every
+    proposer must cope with requests that skip steps and with unequal draft widths in one batch."""
+
+    def __init__(self, max_k: int, seed: int) -> None:
+        super().__init__(max_k)
+        self.rng = random.Random(seed)
+        self.seen: set[int] = set()
+
+    def choose_ks(self, req_ids: list[str], other_tokens: int = 0) -> list[int]:
+        ks = [self.rng.randint(0, self.max_k) for _ in req_ids]
+        self.seen.add(len(set(ks)))
+        return ks
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equal_with_per_request_k(tiny, method):
+    ref = run(tiny, "llama", 8)
+    llm = LLM(tiny["llama"].target, **engine_args(8, method, 4, tiny["llama"]))
+    chaos = llm.engine.runner.controller = ChaosController(4, seed=1)
+    outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
+    assert_same(f"{method} per-request k", PROMPTS, ref.token_ids, [o.outputs[0].token_ids for o in outs],
+                ref.llm.engine.runner.model)
+    assert max(chaos.seen) >= 3  # steps really mixed several k values
+    assert_speculated(llm.get_metrics())
+    assert llm.get_metrics()["kv_free_blocks"] == 1024
 
 
 def test_layer_skip_equals_truncated_draft(tiny):

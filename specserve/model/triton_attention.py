@@ -182,6 +182,9 @@ class TritonAttention:
         group_pad = triton.next_power_of_2(group)
         d_pad = max(16, triton.next_power_of_2(head_dim))
         block_m, block_n = _tile_sizes(meta.max_query_len, group_pad, d_pad)
+        # NOTE: grid and constexprs depend only on num_reqs and max_query_len, which are constants of a graph
+        # bucket (worker/graphs.py captures this launch); seq_lens and block tables are read on the device.
+        # Never add a per-step host value (max_seq_len, ...) here: a captured graph would bake it in.
         grid = (meta.num_reqs, triton.cdiv(meta.max_query_len, block_m), num_kv_heads)
         _paged_attention_kernel[grid](
             out, query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from specserve.platform import to_device
 from specserve.sampling_params import SamplingParams
 
 
@@ -72,7 +73,7 @@ def process_logits(logits: torch.Tensor, states: list[RequestSamplingState], row
         return out
     temps = [p.temperature if s else 1.0 for p, s in zip(per_row, sampled, strict=True)]
     if any(t != 1.0 for t in temps):
-        out.div_(torch.tensor(temps, dtype=torch.float32, device=out.device).unsqueeze(1))  # [N, V] / [N, 1]
+        out.div_(to_device(temps, out.device, torch.float32).unsqueeze(1))  # [N, V] / [N, 1]
 
     sort_rows = [r for r, (p, s) in enumerate(zip(per_row, sampled, strict=True))
                  if s and (0 < p.top_k < vocab or p.top_p < 1.0)]
@@ -142,7 +143,7 @@ def compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, top_n: i
 
 # ---------------------------------------------------------------------------------------------- internals
 def _tensor(values: list[int] | list[float], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=like.device)
+    return to_device(values, like.device, dtype)
 
 
 def _on_rows(out: torch.Tensor, rows: list[int], fn) -> None:  # type: ignore[no-untyped-def]
@@ -150,7 +151,7 @@ def _on_rows(out: torch.Tensor, rows: list[int], fn) -> None:  # type: ignore[no
     if len(rows) == out.shape[0]:
         out.copy_(fn(out))
         return
-    idx = torch.tensor(rows, dtype=torch.long, device=out.device)
+    idx = to_device(rows, out.device, torch.long)
     out.index_copy_(0, idx, fn(out.index_select(0, idx)))
 
 
@@ -166,11 +167,11 @@ def _apply_penalties(out: torch.Tensor, states: list[RequestSamplingState], row_
 
     def penalize(x: torch.Tensor) -> torch.Tensor:  # x: [R, V]
         if any(p.repetition_penalty != 1.0 for p in params):
-            rp = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)  # [R, 1]
+            rp = to_device([p.repetition_penalty for p in params], dev).unsqueeze(1)  # [R, 1]
             seen = (counts > 0) | _prompt_mask(states, reqs, row_counts, x)
             x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)  # [R, 1]
-        pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)  # [R, 1]
+        freq = to_device([p.frequency_penalty for p in params], dev).unsqueeze(1)  # [R, 1]
+        pres = to_device([p.presence_penalty for p in params], dev).unsqueeze(1)  # [R, 1]
         return x - freq * counts - pres * (counts > 0).to(x.dtype)
 
     _on_rows(out, rows, penalize)
@@ -188,21 +189,21 @@ def _token_counts(out: torch.Tensor, states: list[RequestSamplingState], row_cou
     lens = [len(states[i].output_token_ids) for i in reqs]
     req_counts = torch.zeros(len(reqs), vocab, dtype=torch.float32, device=dev)  # [B', V]
     if sum(lens):
-        toks = torch.tensor(list(chain.from_iterable(states[i].output_token_ids for i in reqs)),
-                            dtype=torch.long, device=dev)  # [T]
+        toks = to_device(list(chain.from_iterable(states[i].output_token_ids for i in reqs)), dev,
+                         torch.long)  # [T]
         owner = torch.repeat_interleave(torch.arange(len(reqs), device=dev),
-                                        torch.tensor(lens, device=dev), output_size=len(toks))  # [T]
+                                        to_device(lens, dev), output_size=len(toks))  # [T]
         req_counts.view(-1).scatter_add_(0, owner * vocab + toks, torch.ones_like(toks, dtype=torch.float32))
     local = [li for li, i in enumerate(reqs) for _ in range(row_counts[i])]
-    counts = req_counts[torch.tensor(local, dtype=torch.long, device=dev)]  # [R, V]
+    counts = req_counts[to_device(local, dev, torch.long)]  # [R, V]
     local_starts = row_starts([row_counts[i] for i in reqs])
     d_rows = [local_starts[li] + j + 1 for li, i in enumerate(reqs) for j in range(len(drafts[i]))]
     if d_rows:
         d_toks = [t for i in reqs for t in drafts[i]]
         onehot = torch.zeros_like(counts)  # [R, V]
-        onehot[torch.tensor(d_rows, device=dev), torch.tensor(d_toks, device=dev)] = 1.0
+        onehot[to_device(d_rows, dev), to_device(d_toks, dev)] = 1.0
         cum = onehot.cumsum(dim=0)  # [R, V]
-        seg_first = torch.tensor([local_starts[li] for li in local], dtype=torch.long, device=dev)  # [R]
+        seg_first = to_device([local_starts[li] for li in local], dev, torch.long)  # [R]
         counts += cum - cum[seg_first]
     return counts
 
@@ -214,10 +215,9 @@ def _prompt_mask(states: list[RequestSamplingState], reqs: list[int], row_counts
     mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)  # [B', V]
     lens = [len(states[i].prompt_token_ids) for i in reqs]
     if sum(lens):
-        toks = torch.tensor(list(chain.from_iterable(states[i].prompt_token_ids for i in reqs)),
-                            dtype=torch.long, device=dev)
+        toks = to_device(list(chain.from_iterable(states[i].prompt_token_ids for i in reqs)), dev, torch.long)
         owner = torch.repeat_interleave(torch.arange(len(reqs), device=dev),
-                                        torch.tensor(lens, device=dev), output_size=len(toks))
+                                        to_device(lens, dev), output_size=len(toks))
         mask[owner, toks] = True
     local = [li for li, i in enumerate(reqs) for _ in range(row_counts[i])]
-    return mask[torch.tensor(local, dtype=torch.long, device=dev)]
+    return mask[to_device(local, dev, torch.long)]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.platform import to_device
 from specserve.sample.sampler import RequestSamplingState, row_starts
 
 
@@ -47,14 +48,14 @@ class _Layout:
         ids = [d + [0] * (k_max + 1 - len(d)) for d in drafts]
         rows = [[s + min(j, len(d)) for j in range(k_max + 1)] for s, d in zip(starts, drafts, strict=True)]
         ks = [len(d) for d in drafts]
-        valid = torch.arange(k_max, device=device) < torch.tensor(ks, device=device).unsqueeze(1)
-        return _Layout(torch.tensor(ids, dtype=torch.long, device=device), valid,
-                       torch.tensor(rows, dtype=torch.long, device=device), ks)
+        valid = torch.arange(k_max, device=device) < to_device(ks, device).unsqueeze(1)
+        return _Layout(to_device(ids, device, torch.long), valid,
+                       to_device(rows, device, torch.long), ks)
 
     def select(self, idx: list[int]) -> _Layout:
         if len(idx) == len(self.num_drafts):
             return self
-        t = torch.tensor(idx, dtype=torch.long, device=self.draft_ids.device)
+        t = to_device(idx, self.draft_ids.device, torch.long)
         return _Layout(self.draft_ids[t], self.valid[t], self.row_idx[t], [self.num_drafts[i] for i in idx])
 
 
@@ -84,7 +85,7 @@ def verify(processed_logits: torch.Tensor, states: list[RequestSamplingState], r
                  (sampled, _verify_sampled(logits, layout.select(sampled), [states[i] for i in sampled],
                                            [draft_probs[i] for i in sampled]))]
         for idx, (sub_tokens, sub_acc) in parts:
-            t = torch.tensor(idx, dtype=torch.long, device=logits.device)
+            t = to_device(idx, logits.device, torch.long)
             tokens[t], num_acc[t] = sub_tokens, sub_acc
     rows = torch.cat([tokens, num_acc.unsqueeze(1)], dim=1).tolist()  # the one host sync
     return [row[: row[-1] + 1] for row in rows]
@@ -122,7 +123,7 @@ def _verify_sampled(logits: torch.Tensor, layout: _Layout, states: list[RequestS
 
     last_rows = layout.row_idx[ar, num_acc]  # [B]: row num_acc (== k_i when everything was accepted)
     p_last = torch.softmax(logits[last_rows], dim=-1)  # [B, V]
-    rejected = num_acc < torch.tensor(layout.num_drafts, device=dev)  # [B]
+    rejected = num_acc < to_device(layout.num_drafts, dev)  # [B]
     weights = _residual(p_last, q.rows_at(num_acc, layout.draft_ids, rejected))  # [B, V], unnormalised
     final = (weights / noise).argmax(dim=-1)  # [B]: exponential race = one categorical draw per request
     tokens = layout.draft_ids.clone()  # [B, K + 1]
@@ -169,8 +170,8 @@ class _DraftQ:
             has = p is not None
             rows.append([start + j if has and j < k else total for j in range(k_max + 1)])
             start += k if has else 0
-        one_hot = torch.tensor([p is None for p in draft_probs], device=device)
-        return _DraftQ(dense, torch.tensor(rows, dtype=torch.long, device=device), one_hot)
+        one_hot = to_device([p is None for p in draft_probs], device)
+        return _DraftQ(dense, to_device(rows, device, torch.long), one_hot)
 
     def prob_of(self, drafts: torch.Tensor) -> torch.Tensor:
         """q_j(x_j) [B, K] for draft tokens ``drafts`` [B, K]."""
@@ -201,7 +202,7 @@ def _draw(states: list[RequestSamplingState], num_drafts: list[int], k_max: int,
         uniforms.uniform_()
         noise.exponential_()
     elif unseeded:
-        t = torch.tensor(unseeded, dtype=torch.long, device=device)
+        t = to_device(unseeded, device, torch.long)
         uniforms[t] = torch.rand(len(unseeded), k_max, device=device)
         noise[t] = torch.empty(len(unseeded), vocab, device=device).exponential_()
     for i, s in enumerate(states):

@@ -1,12 +1,20 @@
-"""SchedulerOutput rows -> flat input_ids / positions / attention metadata tensors."""
+"""SchedulerOutput rows -> flat input_ids / positions / attention metadata tensors.
+
+A batch is packed on the host into three int tensors (``HostBatch``) and reaches the device with one copy
+each; on a GPU through pinned memory and non-blocking copies (``platform.to_device``), so building a batch
+never waits for the GPU. The graph runner (``worker/graphs.py``) copies the same packed tensors into its
+static buffers instead.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specserve.model.attention import AttentionMetadata, build_metadata
+from specserve.model.attention import AttentionMetadata
+from specserve.platform import to_device
 
 
 @dataclass(slots=True)
@@ -16,20 +24,94 @@ class FlatBatch:
     meta: AttentionMetadata
 
 
-def flat_batch(token_ids: list[list[int]] | list[tuple[int, ...]], starts: list[int],
-               block_ids: list[tuple[int, ...]] | list[list[int]], block_size: int,
-               device: torch.device) -> FlatBatch:
-    """Request r computes ``token_ids[r]`` at positions ``starts[r] ..``; its KV lives in ``block_ids[r]``."""
+@dataclass(slots=True)
+class HostBatch:
+    """A flat batch of B requests and T tokens on the host (CPU tensors)."""
+
+    tokens: torch.Tensor  # [3 * T] int64: input ids | positions | slot mapping
+    reqs: torch.Tensor  # [2 * B + 1] int32: query_start_loc (B + 1) | seq_lens (B)
+    tables: torch.Tensor  # [B, W] int32 block tables, W = the widest row, padded with block 0
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+
+def pack_batch(token_ids: Sequence[Sequence[int]], starts: list[int],
+               block_ids: Sequence[Sequence[int]], block_size: int, pad_to: int = 0,
+               pad_block: int = 0) -> HostBatch:
+    """Request r computes ``token_ids[r]`` at positions ``starts[r] ..``; its KV lives in ``block_ids[r]``.
+
+    ``pad_to`` > number of requests appends padding rows (for a graph bucket): each computes
+    q = ``len(token_ids[0])`` tokens (id 0) at positions 0 .. q - 1 of ``pad_block``, a scratch block that
+    no request owns, so padding never reads or writes a real request's KV.
+    """
     q_lens = [len(t) for t in token_ids]
     seq_lens = [s + q for s, q in zip(starts, q_lens)]
+    tables = [list(b) for b in block_ids]
     ids: list[int] = []
     pos: list[int] = []
-    for toks, s in zip(token_ids, starts):
+    slots: list[int] = []
+    for toks, s, table in zip(token_ids, starts, tables):
         ids.extend(toks)
-        pos.extend(range(s, s + len(toks)))
-    meta = build_metadata(q_lens, seq_lens, [list(b) for b in block_ids], block_size, device)
-    return FlatBatch(
-        input_ids=torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True),
-        positions=torch.tensor(pos, dtype=torch.int64).to(device, non_blocking=True),
-        meta=meta,
+        for p in range(s, s + len(toks)):
+            pos.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    width = max((len(t) for t in tables), default=1) or 1
+    num_pad = max(0, pad_to - len(q_lens))
+    if num_pad:
+        q = q_lens[0]
+        q_lens += [q] * num_pad
+        seq_lens += [q] * num_pad
+        tables += [[pad_block] * width] * num_pad
+        ids += [0] * (q * num_pad)
+        pos += list(range(q)) * num_pad
+        slots += [pad_block * block_size + p % block_size for p in range(q)] * num_pad
+    qsl = [0]
+    for q_len in q_lens:
+        qsl.append(qsl[-1] + q_len)
+    return HostBatch(
+        tokens=torch.tensor(ids + pos + slots, dtype=torch.int64),
+        reqs=torch.tensor(qsl + seq_lens, dtype=torch.int32),
+        tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(-1, width),
+        query_lens=q_lens,
+        seq_lens=seq_lens,
+        block_size=block_size,
     )
+
+
+def batch_views(hb: HostBatch, tokens: torch.Tensor, reqs: torch.Tensor, tables: torch.Tensor) -> FlatBatch:
+    """The flat batch over packed ``tokens`` / ``reqs`` / ``tables`` laid out like ``hb`` (views, no copy)."""
+    t, b = hb.num_tokens, hb.num_reqs
+    meta = AttentionMetadata(
+        slot_mapping=tokens[2 * t:3 * t],
+        query_start_loc=reqs[:b + 1],
+        seq_lens=reqs[b + 1:2 * b + 1],
+        block_tables=tables,
+        max_query_len=max(hb.query_lens, default=0),
+        max_seq_len=max(hb.seq_lens, default=0),
+        query_lens_host=list(hb.query_lens),
+        seq_lens_host=list(hb.seq_lens),
+        block_size=hb.block_size,
+    )
+    return FlatBatch(input_ids=tokens[:t], positions=tokens[t:2 * t], meta=meta)
+
+
+def upload(hb: HostBatch, device: torch.device) -> FlatBatch:
+    """Three copies (pinned, non-blocking on a GPU); the CPU path uses the host tensors as they are."""
+    return batch_views(hb, to_device(hb.tokens, device), to_device(hb.reqs, device),
+                       to_device(hb.tables, device))
+
+
+def flat_batch(token_ids: Sequence[Sequence[int]], starts: list[int],
+               block_ids: Sequence[Sequence[int]], block_size: int,
+               device: torch.device) -> FlatBatch:
+    """Request r computes ``token_ids[r]`` at positions ``starts[r] ..``; its KV lives in ``block_ids[r]``."""
+    return upload(pack_batch(token_ids, starts, block_ids, block_size), device)

@@ -19,7 +19,7 @@ from specserve.model.eagle_head import EagleHead, load_eagle_head
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import Checkpoint, load_checkpoint
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from specserve.platform import Platform, resolve_dtype
+from specserve.platform import Platform, resolve_dtype, to_device
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
 from specserve.spec.controller import SpecController
 from specserve.spec.draft_model import DraftModelProposer
@@ -28,7 +28,7 @@ from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Proposer, ProposeRequest
 from specserve.spec.rejection import verify
 from specserve.worker.features import FeatureBuffer, FeatureSink, eagle_step, sink_features
-from specserve.worker.input_batch import flat_batch
+from specserve.worker.graphs import CaptureBackend, GraphPlan, ModelStep, batch_buckets, select_capture
 
 log = logging.getLogger("specserve")
 
@@ -75,8 +75,13 @@ class ModelRunner:
         # Receives the target's pre-norm features of every row (EAGLE; `specserve distill` sets its own).
         self.feature_sink: FeatureSink | None = self._keep_features if spec.method == "eagle" else None
         self.num_blocks = self._num_blocks()
+        capture, graphs_note = select_capture(platform, config.model.enforce_eager)
+        self.graph_plan = self._graph_plan(capture) if capture is not None else None
         self.kv_caches = self._alloc_kv(self.model)
         self.draft_kv_caches = self._alloc_kv(self.draft_model) if self.draft_model else []
+        self.target_step = ModelStep(self.model, self.kv_caches, self.block_size, self.device,
+                                     plan=self.graph_plan)
+        log.info("graphs: %s%s", graphs_note, f"; {self.graph_plan.describe()}" if self.graph_plan else "")
         self.proposer: Proposer | None = self._make_proposer() if spec.enabled else None
         self.controller = SpecController(spec.num_speculative_tokens, spec.adaptive) if spec.enabled else None
         self.requests: dict[str, CachedRequest] = {}
@@ -110,8 +115,12 @@ class ModelRunner:
             mem = cache.kv_cache_memory
             if mem is None or mem <= 1:
                 avail = _available_memory(self.platform)
-                budget = avail * mem if mem is not None else (
-                    min(_DEFAULT_CPU_KV_BYTES, 0.25 * avail) if not self.platform.is_gpu else 0.9 * avail)
+                if mem is not None:
+                    budget = avail * mem
+                elif self.platform.is_gpu:  # free device memory, now that the weights are loaded
+                    budget = cache.gpu_memory_utilization * avail
+                else:
+                    budget = min(_DEFAULT_CPU_KV_BYTES, 0.25 * avail)
             else:
                 budget = mem
             n = int(budget // per_block)
@@ -125,10 +134,22 @@ class ModelRunner:
                  n * self.block_size, n * per_block / 2**20, draft_note)
         return n
 
+    def _graph_plan(self, capture: CaptureBackend) -> GraphPlan:
+        """Graphs for decode (q = 1) and verification (q = k + 1) steps of the target and the draft.
+
+        NOTE: with graphs the KV tensors get one block more than the pool hands out (index ``num_blocks``):
+        the scratch block the padding rows write to.
+        """
+        k = self.config.speculative.num_speculative_tokens
+        max_blocks = -(-(self.max_model_len + k + 1) // self.block_size)
+        return GraphPlan(capture, batch_buckets(self.config.scheduler.max_num_seqs), k + 1, max_blocks,
+                         scratch_block=self.num_blocks)
+
     def _alloc_kv(self, model: LlamaModel | EagleHead | None) -> list[torch.Tensor]:
         if model is None:
             return []
-        shape = model.kv_cache_shape(self.num_blocks, self.block_size)
+        num_blocks = self.num_blocks + (1 if self.graph_plan is not None else 0)
+        shape = model.kv_cache_shape(num_blocks, self.block_size)
         # zeros, not empty: padded reads of unused slots must never see NaN/Inf garbage.
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model.arch.num_layers)]
 
@@ -155,11 +176,14 @@ class ModelRunner:
         raise SpecserveError(f"speculative method {spec.method!r} is not available in this build")
 
     def _draft_step(self, model: LlamaModel, kv: list[torch.Tensor], layers: int | None):
+        forward = ModelStep(model, kv, self.block_size, self.device, layers, self.graph_plan)
+
         def step(token_ids: list[list[int]], starts: list[int], block_ids: list[tuple[int, ...]]) -> torch.Tensor:
-            fb = flat_batch(token_ids, starts, block_ids, self.block_size, self.device)
-            hidden = model(fb.input_ids, fb.positions, kv, fb.meta, num_layers=layers)
-            return model.compute_logits(hidden[fb.meta.query_start_loc[1:].long() - 1])  # [B, V]
+            return model.compute_logits(forward(token_ids, starts, block_ids).last_hidden())  # [B, V]
         return step
+
+    def _num_captures(self) -> int:
+        return self.graph_plan.capture.num_captures if self.graph_plan is not None else 0
 
     # -- one step -------------------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -167,20 +191,18 @@ class ModelRunner:
         rows = so.rows
         if not rows:
             return ModelRunnerOutput({}, {})
-        t0 = time.perf_counter()
-        fb = flat_batch([r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
-                        [r.block_ids for r in rows], self.block_size, self.device)
+        t0, captures = time.perf_counter(), self._num_captures()
         sink = self.feature_sink
-        hidden = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.meta,
-                            return_prenorm=sink is not None)  # [T, hidden]
-        if sink is not None:
-            hidden, prenorm = hidden  # prenorm: [T, hidden] the last layer's output before the final norm
+        out = self.target_step([r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
+                               [r.block_ids for r in rows], prenorm=sink is not None)
+        hidden, prenorm = out.hidden, out.prenorm  # [T, hidden]; prenorm: the last layer's output, pre-norm
         sample_rows = [r for r in rows if r.needs_sample]
         if not sample_rows:
-            if sink is not None:
+            if sink is not None and prenorm is not None:
                 sink_features(rows, {}, prenorm, sink)
             return ModelRunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[self._logits_indices(rows)])  # [sum(k_i + 1), V]
+        idx = to_device(self._logits_indices(rows), self.device, torch.int64)
+        logits = self.model.compute_logits(hidden[idx])  # [sum(k_i + 1), V]
         cached = [self.requests[r.req_id] for r in sample_rows]
         states = [c.state for c in cached]
         counts = [r.num_spec_tokens + 1 for r in sample_rows]
@@ -190,7 +212,7 @@ class ModelRunner:
         processed = process_logits(logits, states, counts, drafts)
         emitted = verify(processed, states, counts, drafts, qs)
         logprobs = self._logprobs(logits, sample_rows, cached, counts, emitted)
-        if self.controller is not None:
+        if self.controller is not None and self._num_captures() == captures:  # a capture step is no cost sample
             self.controller.record_target(so.total_tokens, time.perf_counter() - t0)
         for r, c, em in zip(sample_rows, cached, emitted):
             c.state.output_token_ids.extend(em)
@@ -199,7 +221,7 @@ class ModelRunner:
             if self.controller is not None:
                 self.controller.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1)
         sampled = {r.req_id: em for r, em in zip(sample_rows, emitted)}
-        if sink is not None:
+        if sink is not None and prenorm is not None:
             sink_features(rows, sampled, prenorm, sink)
         spec = self._propose(sample_rows, emitted)
         return ModelRunnerOutput(sampled, spec, logprobs)
@@ -266,11 +288,9 @@ class ModelRunner:
         if self.proposer is None or self.controller is None:
             return {}
         cands = [(r, em) for r, em in zip(rows, emitted) if self.requests[r.req_id].spec_enabled]
-        k = self.controller.choose_k([r.req_id for r, _ in cands])
-        if k == 0:
-            return {}
+        ks = self.controller.choose_ks([r.req_id for r, _ in cands])
         reqs = []
-        for r, em in cands:
+        for (r, em), k in zip(cands, ks):
             c = self.requests[r.req_id]
             cap = min(k, c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
             if cap >= 1:
@@ -279,9 +299,11 @@ class ModelRunner:
                                            c.features.take()))
         if not reqs:
             return {}
-        t0 = time.perf_counter()
+        t0, captures = time.perf_counter(), self._num_captures()
         drafts = self.proposer.propose(reqs)
-        self.controller.record_draft(len(reqs), (time.perf_counter() - t0) / k)
+        k = max(pr.k for pr in reqs)
+        if self._num_captures() == captures:  # a step that captured a graph is no cost sample
+            self.controller.record_draft(len(reqs), (time.perf_counter() - t0) / k)
         out = {}
         for pr, d in zip(reqs, drafts):
             if d.token_ids:
