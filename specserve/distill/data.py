@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specserve.distill import dense
 from specserve.sampling_params import SamplingParams
 
 _TOPICS = (
@@ -213,8 +214,6 @@ def collect_text(model: Any, chunks: Iterator[list[int]], num_tokens: int, batch
 
     A dense causal forward over [batch, seq_len] is several times faster per token on a CPU than decoding, so
     this buys volume; the engine-sampled data (``collect``) buys the target's own style."""
-    from specserve.distill import dense
-
     samples: list[Sample] = []
     done = 0
     bar = tqdm(total=num_tokens, desc="collect (teacher-forced text)", unit="tok")
@@ -224,8 +223,9 @@ def collect_text(model: Any, chunks: Iterator[list[int]], num_tokens: int, batch
             group.append(chunk)
         if len(group) < batch:
             continue
-        done += _text_batch(model, group, top_k, samples, dense)
-        bar.update(sum(len(c) for c in group))
+        n = _text_batch(model, group, top_k, samples)
+        done += n
+        bar.update(n)
         group = []
         if done >= num_tokens:
             break
@@ -233,7 +233,7 @@ def collect_text(model: Any, chunks: Iterator[list[int]], num_tokens: int, batch
     return samples
 
 
-def _text_batch(model: Any, group: list[list[int]], top_k: int, out: list[Sample], dense: Any) -> int:
+def _text_batch(model: Any, group: list[list[int]], top_k: int, out: list[Sample]) -> int:
     n = max(len(c) for c in group)
     ids = torch.zeros(len(group), n, dtype=torch.long)
     for b, c in enumerate(group):
