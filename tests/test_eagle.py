@@ -72,6 +72,9 @@ def tiny(tmp_path_factory):
         head.fc[:, :h] = torch.eye(h)
         head.fc[:, h:] = 0.3 * torch.randn(h, h, generator=gen) / h ** 0.5
         head.fc_bias.zero_()
+        for norm in (head.embed_norm, head.feature_norm):  # input norms back to the embedding's own scale
+            assert norm is not None
+            norm.weight.fill_(float(model.embed.pow(2).mean().sqrt()))
     save_eagle_head(head, str(root / "head"))
     return {"target": target, "head": str(root / "head"), "root": root, "model": model}
 
@@ -125,6 +128,40 @@ def test_reduced_draft_vocab(tiny, reference):
     assert _greedy(llm) == reference
     assert drafted and all(32 <= t < 128 for t in drafted)
     assert llm.get_metrics()["speculative"]["accepted_tokens"] > 0
+
+
+def test_input_norms_make_the_head_blind_to_feature_scale(tiny):
+    """fc reads RMS-normalised inputs: a target whose residual stream is 200x its embeddings' scale (the
+    demo model) cannot drown the token out."""
+    head = EagleHead(EagleConfig.from_target(tiny["model"].arch), torch.float32, torch.device("cpu"), None, 64)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        head.fc.normal_(generator=gen)
+    e, f = torch.randn(3, head.cfg.hidden_size, generator=gen), torch.randn(3, head.cfg.hidden_size, generator=gen)
+    torch.testing.assert_close(head.fuse(e, 200 * f), head.fuse(e, f))
+    assert not torch.allclose(head.fuse(e + 1, f), head.fuse(e, f))
+
+
+def test_head_saved_without_input_norms_still_loads(tiny, reference, tmp_path):
+    """Heads saved before the input norms (no ``input_norms`` in config.json, no norm tensors) load as such."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg = dataclasses.replace(EagleConfig.from_target(tiny["model"].arch), input_norms=False)
+    head = EagleHead(cfg, torch.float32, torch.device("cpu"), None, 1024)
+    sd = load_file(os.path.join(tiny["head"], "model.safetensors"))
+    head.load_hf_state_dict({k: v for k, v in sd.items() if "_norm.weight" not in k or "layers." in k}, "head")
+    out = tmp_path / "old_head"
+    save_eagle_head(head, str(out))
+    raw = json.loads((out / "config.json").read_text())
+    del raw["input_norms"]
+    (out / "config.json").write_text(json.dumps(raw))
+    assert "embed_norm.weight" not in load_file(str(out / "model.safetensors"))
+    llm = LLM(tiny["target"], speculative_model=str(out), num_speculative_tokens=3, **ENGINE)
+    assert llm.engine.runner.draft_model.embed_norm is None
+    assert _greedy(llm) == reference
 
 
 def _dense_logits(model: LlamaModel, head: EagleHead, tokens: list[int], drafts: list[int]) -> list[torch.Tensor]:

@@ -8,9 +8,10 @@ Loss at every position of a sampled continuation (the distributions the target d
   regression loss), and a second, *unrolled* draft step ("training-time test"): the head is fed its own
   prediction ĥ_{p-1} as it is when drafting token 2..k, so it learns to recover from its own errors.
 
-The head is initialised from the target's last decoder layer (fc = [embedding -> 0 ; feature -> I] so at
-step 0 it already maps a feature to something the target's last layer could produce); a standalone draft
-from the target's first L layers. Embedding, final norm and LM head stay frozen (they are the target's).
+The head is initialised from the target's last decoder layer, its two input norms at the features' RMS and
+fc = [I ; I] (embedding and feature both enter at the residual stream's scale: with the raw, unnormalised
+embedding a head for SmolLM2 barely saw the token, 0.22 top-1 held out); a standalone draft from the
+target's first L layers. Embedding, final norm and LM head stay frozen (they are the target's).
 """
 
 from __future__ import annotations
@@ -142,7 +143,11 @@ class HeadTask:
         with torch.no_grad():
             self.head.layer.load_state_dict(target.layers[-1].state_dict())
             self.head.fc.zero_()
+            self.head.fc[:, :h] = torch.eye(h)
             self.head.fc[:, h:] = torch.eye(h)
+            for norm in (self.head.embed_norm, self.head.feature_norm):
+                assert norm is not None
+                norm.weight.fill_(feature_rms)  # both inputs enter at the residual stream's scale
         for p in self.head.parameters():
             p.requires_grad_(True)
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from specserve.config import CheckpointError, ModelArch, SpecserveError
 from specserve.model.attention import AttentionBackend, AttentionMetadata
-from specserve.model.layers import RotaryEmbedding
+from specserve.model.layers import RMSNorm, RotaryEmbedding
 from specserve.model.llama import DecoderLayer
 
 EAGLE_KIND = "eagle"
@@ -47,12 +47,16 @@ class EagleConfig:
     max_position_embeddings: int
     target: str = ""  # display name of the target it was distilled from (informational)
     draft_vocab_size: int = 0  # > 0: drafts only among these most frequent tokens (EAGLE-3's reduced vocab)
+    # RMS-normalise the embedding and the feature before fc (EAGLE-3 does the same). Without it a target
+    # whose residual stream is ~200x the scale of its embeddings (SmolLM2: features RMS ~28 with outliers in
+    # the thousands, embeddings RMS ~0.14) hides the token from the head. False only for heads saved before.
+    input_norms: bool = False
 
     @staticmethod
     def from_target(arch: ModelArch, name: str = "") -> EagleConfig:
         return EagleConfig(arch.vocab_size, arch.hidden_size, arch.intermediate_size, arch.num_heads,
                            arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps, arch.rope_theta,
-                           arch.rope_scaling, arch.max_position_embeddings, name)
+                           arch.rope_scaling, arch.max_position_embeddings, name, input_norms=True)
 
     def layer_arch(self) -> ModelArch:
         """One-layer arch (KV sizing reads ``num_layers``, ``num_kv_heads`` and ``head_dim``)."""
@@ -67,7 +71,8 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 class EagleHead(nn.Module):
     """fc([embedding ; feature]) ([hidden, 2 hidden] + bias) -> one Llama decoder layer -> predicted feature
-    (pre-norm, on the scale of the target's residual stream)."""
+    (pre-norm, on the scale of the target's residual stream). With ``cfg.input_norms`` the embedding and the
+    feature each go through their own RMSNorm first."""
 
     def __init__(self, cfg: EagleConfig, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend | None, max_positions: int) -> None:
@@ -77,6 +82,8 @@ class EagleHead(nn.Module):
         h = cfg.hidden_size
         self.fc = _param(h, 2 * h, dtype=dtype, device=device)
         self.fc_bias = _param(h, dtype=dtype, device=device)
+        self.embed_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device) if cfg.input_norms else None
+        self.feature_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device) if cfg.input_norms else None
         self.layer = DecoderLayer(self.arch, dtype, device)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                     torch.float32 if dtype == torch.float32 else dtype, device)
@@ -99,7 +106,10 @@ class EagleHead(nn.Module):
 
     def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         # embeds, features: [..., hidden] -> [..., hidden]
-        return F.linear(torch.cat([embeds, features.to(embeds.dtype)], dim=-1), self.fc, self.fc_bias)
+        features = features.to(embeds.dtype)
+        if self.embed_norm is not None and self.feature_norm is not None:
+            embeds, features = self.embed_norm(embeds), self.feature_norm(features)
+        return F.linear(torch.cat([embeds, features], dim=-1), self.fc, self.fc_bias)
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
@@ -120,7 +130,9 @@ class EagleHead(nn.Module):
         q, k, v = a.qkv.detach().split([a.q_size, a.kv_size, a.kv_size], dim=0)
         gate, up = m.gate_up.detach().split(m.inter, dim=0)
         p, sa = _LAYER, _LAYER + "self_attn."
-        return {"fc.weight": self.fc.detach(), "fc.bias": self.fc_bias.detach(),
+        norms = {} if self.embed_norm is None or self.feature_norm is None else {
+            "embed_norm.weight": self.embed_norm.weight.detach(), "feature_norm.weight": self.feature_norm.weight.detach()}
+        return {**norms, "fc.weight": self.fc.detach(), "fc.bias": self.fc_bias.detach(),
                 sa + "q_proj.weight": q, sa + "k_proj.weight": k, sa + "v_proj.weight": v,
                 sa + "o_proj.weight": a.o.detach(), p + "mlp.gate_proj.weight": gate,
                 p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": m.down.detach(),
@@ -141,6 +153,9 @@ class EagleHead(nn.Module):
         with torch.no_grad():
             self.fc.copy_(sd["fc.weight"])
             self.fc_bias.copy_(sd["fc.bias"])
+            if self.embed_norm is not None and self.feature_norm is not None:
+                self.embed_norm.weight.copy_(sd["embed_norm.weight"])
+                self.feature_norm.weight.copy_(sd["feature_norm.weight"])
             a.qkv.copy_(torch.cat([sd[sa + x + "_proj.weight"] for x in "qkv"]))
             a.o.copy_(sd[sa + "o_proj.weight"])
             m.gate_up.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
