@@ -1,8 +1,8 @@
 """Speculative decoding on the demo model: every method, adaptive on and off, batch 1 / 8 / 32, in one run.
 
 For each method (n-gram k=5, layer_skip k=4, a draft model k=4 when ``--draft PATH`` is given, an EAGLE head
-with ``--eagle DIR``, k = ``--eagle-k``) one engine is loaded; for the adaptive controller on and then off a fresh controller is installed on it, and
-``specserve.bench.offline.run_offline`` measures the same prompts with speculation off and on (interleaved,
+with ``--eagle DIR``, k = ``--eagle-k``) one engine is loaded; for each dataset and each controller mode
+(``--adaptive on|off|both``) a fresh controller is installed on it, and ``specserve.bench.offline.run_offline`` measures the same prompts with speculation off and on (interleaved,
 warm-up excluded, medians over repeats). Printed per row: tok/s off and on, their ratio, acceptance rate,
 mean acceptance length, the ideal speedup from the measured alpha and c, and efficiency = measured / ideal.
 
