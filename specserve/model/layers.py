@@ -68,8 +68,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
