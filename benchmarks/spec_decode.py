@@ -58,6 +58,7 @@ def main() -> int:
     ap.add_argument("--eagle", default=None, help="EAGLE head dir: adds the `eagle` method")
     ap.add_argument("--eagle-k", type=int, default=3)
     ap.add_argument("--methods", default=None, help="subset, e.g. ngram,layer_skip")
+    ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (the engine's --dtype)")
     ap.add_argument("--datasets", "--dataset", dest="datasets", default="edit",
                     help="comma-separated: code | summarize | chat | edit | FILE.jsonl")
     ap.add_argument("--adaptive", choices=["on", "off", "both"], default="both",
@@ -83,7 +84,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     for name, kw in methods(args):
         print(f"== {name}: loading", file=sys.stderr)
-        llm = LLM(args.model, **kw)
+        llm = LLM(args.model, dtype=args.dtype, **kw)
         for dataset, items in datasets:
             label = os.path.basename(dataset).removesuffix(".jsonl")
             prompts = offline.prompt_ids(llm.tokenizer, items, args.num_prompts, llm.engine.max_model_len,

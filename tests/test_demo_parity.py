@@ -28,7 +28,7 @@ def hf_model(demo_model_path):
 def llm():
     from specserve.llm import LLM
 
-    return LLM(None, num_blocks=256)
+    return LLM(None, num_blocks=256, dtype="float32")  # parity with HF in fp32 (the CPU default may be bf16)
 
 
 @pytest.mark.slow

@@ -12,11 +12,15 @@ from specserve import platform as plat
 from specserve.config import SpecserveError
 
 
-def test_cpu_platform(monkeypatch):
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_cpu_platform(monkeypatch, native_bf16):
     monkeypatch.delenv("SPECSERVE_DEVICE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     p = plat.detect("auto")
-    assert (p.kind, p.device.type, p.default_dtype) == ("cpu", "cpu", torch.float32)
+    dtype = torch.bfloat16 if native_bf16 else torch.float32  # bf16 only where the CPU has bf16 hardware
+    assert (p.kind, p.device.type, p.default_dtype) == ("cpu", "cpu", dtype)
     assert (p.attention_backend, p.supports_graphs, p.dist_backend) == ("torch", False, "gloo")
     assert plat.detect("cpu").kind == "cpu"
 
@@ -94,3 +98,30 @@ def test_no_vendor_only_imports():
     root = pathlib.Path(__file__).resolve().parents[1] / "specserve"
     bad = re.compile(r"^\s*(import|from)\s+(flash_attn|xformers|vllm|apex|cupy)\b", re.MULTILINE)
     assert not [f for f in root.rglob("*.py") if bad.search(f.read_text())]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 255, 256, 257, 513, 600])
+def test_row_invariant_linear(n):
+    """Same values as F.linear; with hardware bf16, each row bit-identical to that row computed at 2 rows
+    (the invariant count); a single row is padded, more than 256 are chunked."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 1536, generator=gen).bfloat16()
+    w = (torch.randn(576, 1536, generator=gen) * 0.02).bfloat16()
+    b = torch.randn(576, generator=gen).bfloat16()
+    got = plat.row_invariant_linear(x, w, b)
+    assert got.shape == (n, 576) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
+                               atol=0.05, rtol=0.02)
+    if plat.cpu_has_native_bf16():
+        for i in sorted({0, n // 2, n - 1}):
+            pair = x[[i, i]] if n == 1 else x[i:i + 2] if i + 1 < n else x[i - 1:i + 1]
+            alone = torch.nn.functional.linear(pair, w, b)[0 if i + 1 < n else 1]
+            assert torch.equal(got[i], alone), i
+
+
+def test_platform_linear_choice():
+    cpu = plat.Platform("cpu", torch.device("cpu"), torch.bfloat16, "torch", False, "gloo")
+    assert cpu.linear(torch.bfloat16) is plat.row_invariant_linear
+    assert cpu.linear(torch.float32) is torch.nn.functional.linear
+    gpu = plat.Platform("cuda", torch.device("cpu"), torch.bfloat16, "triton", True, "nccl")
+    assert gpu.linear(torch.bfloat16) is torch.nn.functional.linear

@@ -28,6 +28,7 @@ from specserve import SamplingParams
 from specserve.llm import LLM
 from specserve.model.attention import build_metadata
 from specserve.model.llama import LlamaModel
+from specserve.platform import cpu_has_native_bf16
 from specserve.sample.sampler import RequestSamplingState, process_logits
 from specserve.spec.controller import SpecController
 from tests.helpers import tiny_hf_model, write_char_tokenizer
@@ -159,8 +160,8 @@ _RUNS: dict[tuple, Run] = {}
 
 
 def engine_args(bs: int, method: str | None, k: int, paths: Tiny, num_blocks: int = 1024,
-                max_num_batched_tokens: int = 2048) -> dict[str, Any]:
-    args: dict[str, Any] = dict(dtype="float32", device="cpu", block_size=16, num_blocks=num_blocks,
+                max_num_batched_tokens: int = 2048, dtype: str = "float32") -> dict[str, Any]:
+    args: dict[str, Any] = dict(dtype=dtype, device="cpu", block_size=16, num_blocks=num_blocks,
                                 max_num_seqs=bs, max_num_batched_tokens=max_num_batched_tokens)
     if method is not None:
         args.update(speculative_method=method, num_speculative_tokens=k, speculative_adaptive=False)
@@ -172,11 +173,11 @@ def engine_args(bs: int, method: str | None, k: int, paths: Tiny, num_blocks: in
 
 
 def run(tiny: dict[str, Tiny], family: str, bs: int, method: str | None = None, k: int = 0,
-        num_blocks: int = 1024, max_num_batched_tokens: int = 2048) -> Run:
+        num_blocks: int = 1024, max_num_batched_tokens: int = 2048, dtype: str = "float32") -> Run:
     """All PROMPTS submitted at once, greedy; memoised per configuration (the references are shared)."""
-    key = (family, bs, method, k, num_blocks, max_num_batched_tokens)
+    key = (family, bs, method, k, num_blocks, max_num_batched_tokens, dtype)
     if key not in _RUNS:
-        args = engine_args(bs, method, k, tiny[family], num_blocks, max_num_batched_tokens)
+        args = engine_args(bs, method, k, tiny[family], num_blocks, max_num_batched_tokens, dtype)
         llm = LLM(tiny[family].target, **args)
         outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
         _RUNS[key] = Run(llm, [o.outputs[0].token_ids for o in outs], llm.get_metrics())
@@ -314,6 +315,50 @@ def test_greedy_equal_with_per_request_k(tiny, method):
     assert max(chaos.seen) >= 3  # steps really mixed several k values
     assert_speculated(llm.get_metrics())
     assert llm.get_metrics()["kv_free_blocks"] == 1024
+
+
+# -- bf16 on CPU: bit-exact, no near-tie allowance -------------------------------------------------------------
+needs_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(),
+                                reason="this CPU has no bf16 hardware: bf16 is emulated there and not batch-invariant")
+
+
+@needs_bf16
+@pytest.mark.parametrize("method,k,bs", [(m, k, 8) for m in METHODS for k in (3, 7)] + [(m, 3, 1) for m in METHODS],
+                         ids=lambda v: str(v))
+def test_bf16_cpu_greedy_bit_exact(tiny, method, k, bs):
+    """With hardware bf16 the CPU path is batch-invariant (oneDNN bf16 matmuls round a row the same at any
+    row count; TorchAttention pads queries and keys to fixed shapes), so speculation must reproduce plain
+    decoding token for token, at every k <= 7 and batch size: any divergence here is a bug, never numerics."""
+    ref = run(tiny, "llama", bs, dtype="bfloat16")
+    out = run(tiny, "llama", bs, method, k, dtype="bfloat16")
+    diverged = [i for i, (r, o) in enumerate(zip(ref.token_ids, out.token_ids, strict=True)) if r != o]
+    assert not diverged, f"{len(diverged)} bf16 outputs differ, first: request {diverged[0]}"
+    assert_speculated(out.metrics)
+
+
+@needs_bf16
+def test_bf16_cpu_exact_under_preemption_and_chunked_prefill(tiny):
+    """Recompute after preemption and prompts split into 64-token chunks (sharing steps with other requests'
+    verification) change how each KV entry was first computed; in bf16 on CPU the output must not move."""
+    ref = run(tiny, "llama", 8, dtype="bfloat16")
+    pre = run(tiny, "llama", 8, "ngram", 3, num_blocks=PREEMPT_BLOCKS, dtype="bfloat16")
+    assert pre.metrics["num_preemptions"] > 0
+    chunked = run(tiny, "llama", 32, "layer_skip", 5, max_num_batched_tokens=64, dtype="bfloat16")
+    assert pre.token_ids == ref.token_ids
+    assert chunked.token_ids == ref.token_ids
+
+
+@needs_bf16
+def test_bf16_cpu_batch_invariant_across_batch_sizes(tiny):
+    """The same requests, one at a time vs 8 at once vs 8 at once with random per-request k: identical."""
+    one = run(tiny, "llama", 1, dtype="bfloat16")
+    eight = run(tiny, "llama", 8, dtype="bfloat16")
+    assert one.token_ids == eight.token_ids
+    llm = LLM(tiny["llama"].target, **engine_args(8, "ngram", 4, tiny["llama"], dtype="bfloat16"))
+    chaos = llm.engine.runner.controller = ChaosController(4, seed=2)
+    outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == eight.token_ids
+    assert max(chaos.seen) >= 3
 
 
 def test_layer_skip_equals_truncated_draft(tiny):
@@ -571,3 +616,29 @@ def test_demo_model_greedy_equal():
                         gen(ls, [prompts[i] for i in b1[:2]], False), model)
     assert_speculated(ls.get_metrics(), accepted=False)
     print(f"demo model near-ties: {ties}; ngram {ngram_spec}; layer_skip {ls.get_metrics()['speculative']}")
+
+
+SHIPPED_HEAD = os.path.join(os.path.dirname(__file__), os.pardir, "specserve", "data", "drafts", "smollm2-135m-eagle")
+
+
+@pytest.mark.slow
+@needs_bf16
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_demo_model_bf16_bit_exact(method):
+    """The demo model in bf16 (the CPU default where the hardware has bf16), n-gram k = 5 and the shipped EAGLE
+    head k = 3, batch 8 and batch 1: speculative output equals plain output token for token (no near-tie rule)."""
+    params = SamplingParams(temperature=0, max_tokens=24)
+    kw: dict[str, Any] = {"speculative_method": method, "num_speculative_tokens": 5 if method == "ngram" else 3}
+    if method == "eagle":
+        kw["speculative_model"] = SHIPPED_HEAD
+    llm = LLM(None, num_blocks=256, max_num_seqs=8, dtype="bfloat16", device="cpu", speculative_adaptive=False, **kw)
+    tok = llm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in DEMO_CHATS] + [tok.encode(DEMO_CODE)]
+
+    def gen(ps: list[list[int]], speculative: bool) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=ps, speculative=speculative)]
+
+    assert gen(prompts, True) == gen(prompts, False)
+    for p in prompts[2:4]:  # batch 1
+        assert gen([p], True) == gen([p], False)
+    assert_speculated(llm.get_metrics())

@@ -19,9 +19,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-# Requests with at most this many new tokens go through one padded, batched attention call.
-_BATCHED_MAX_QUERY = 16
-
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -51,29 +48,40 @@ class AttentionBackend(Protocol):
                scale: float) -> torch.Tensor: ...
 
 
+# Query rows are attended in aligned groups: the rows of positions 8g .. 8g+7 of one request form group g,
+# always padded to _GROUP rows, with keys 0 .. _bucket(g) - 1 (the group's last position + 1 rounded up to a
+# multiple of _KEY_PAD; later keys masked). A row's call shape then depends only on its own position, never
+# on the batch, the chunking of the prompt, the number of drafts or the prefix cache.
+# NOTE: torch's CPU SDPA rounds a query row differently depending on how many query rows share its call
+# and on the key length, but identically for a fixed row count and key length whatever the other rows
+# and the batch size (measured, torch 2.13: 0 of 727 rows differ; 1-3 of 655 when the key length varies).
+# With Platform.linear's row-invariant bf16 matmuls this makes bf16 inference on CPU batch-invariant, and
+# greedy speculation bit-exact there (tests/test_spec_equality.py::test_bf16_*).
+_GROUP = 8
+_KEY_PAD = 64
+
+
+def _bucket(group: int) -> int:
+    return -(-(group + 1) * _GROUP // _KEY_PAD) * _KEY_PAD
+
+
 @dataclass(slots=True)
-class _BatchedPlan:
-    """Gather indices and mask for the requests with short queries, built once per forward."""
+class _GroupPlan:
+    """The groups of one key-length bucket: gather indices and mask, built once per forward."""
 
-    tok: torch.Tensor  # [B, max_q] flat token index of each padded query (clamped)
-    valid: torch.Tensor  # [B, max_q] bool
-    slots: torch.Tensor  # [B, max_s] flat KV slot of each key position (clamped to 0 past the end)
-    mask: torch.Tensor  # [B, 1, group * max_q, max_s] bool: key visible to query
-    out_tok: torch.Tensor  # [num valid] flat token index of each valid padded query
-    max_q: int
-
-
-@dataclass(slots=True)
-class _Plan:
-    batched: _BatchedPlan | None
-    long_reqs: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (start, q_len, slots [S], mask [q, S])
+    tok: torch.Tensor  # [n, _GROUP] flat token index of each padded query row (0 where not a new token)
+    valid: torch.Tensor  # [n, _GROUP] bool: the row is one of this step's new tokens
+    slots: torch.Tensor  # [R, S] flat KV slot of each key position, per distinct request of the bucket
+    group_req: torch.Tensor | None  # [n] row of ``slots`` each group reads (None: one group per request)
+    mask: torch.Tensor  # [n, 1, heads_per_kv * _GROUP, S] bool: key visible to query row
+    out_tok: torch.Tensor  # [num valid] flat token index of each valid query row
 
 
 class TorchAttention:
     """Reference backend (the CPU path and the oracle for the Triton kernels).
 
-    Requests with few new tokens (decode, verification) are padded into one SDPA call; longer ones
-    (prefill chunks) get one call each. Gather indices and masks are planned once per forward.
+    Query rows go in aligned groups of 8 (see ``_GROUP``), one SDPA call per key-length bucket; gather
+    indices and masks are planned once per forward and shared by all layers.
     """
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -88,31 +96,27 @@ class TorchAttention:
         # query: [num_tokens, num_heads, head_dim] -> out: same shape
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = kv_cache.shape[3]
-        group = num_heads // num_kv_heads
-        plan = meta.plan
-        if not isinstance(plan, _Plan):
-            plan = meta.plan = _make_plan(meta, kv_cache.shape[2], group, query.shape[0])
+        per_kv = num_heads // num_kv_heads
+        plans = meta.plan
+        if not isinstance(plans, list):
+            plans = meta.plan = _make_plan(meta, kv_cache.shape[2], per_kv)
         out = torch.empty_like(query)
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        if plan.batched is not None:
-            bp = plan.batched
-            b, max_q = bp.tok.shape
-            q = _rows(query, bp.tok)  # [B, max_q, H, D]
-            # GQA without copying K/V: fold the query heads of a group into the query-length axis.
-            q = q.view(b, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-            q = q.reshape(b, num_kv_heads, group * max_q, head_dim)
-            k = _rows(k_flat, bp.slots).to(query.dtype).transpose(1, 2)  # [B, Hkv, S, D]
-            v = _rows(v_flat, bp.slots).to(query.dtype).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bp.mask, scale=scale)
-            o = o.view(b, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-            out[bp.out_tok] = o.reshape(b, max_q, num_heads, head_dim)[bp.valid]
-        for start, q_len, slots, mask in plan.long_reqs:
-            k = _rows(k_flat, slots).to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-            v = _rows(v_flat, slots).to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-            q = query[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-            out[start:start + q_len] = o.transpose(0, 1)
+        for gp in plans:
+            n = gp.tok.shape[0]
+            q = _rows(query, gp.tok)  # [n, G, H, D]
+            # GQA without copying K/V: fold the query heads of a KV head into the query-row axis.
+            q = q.view(n, _GROUP, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
+            q = q.reshape(n, num_kv_heads, per_kv * _GROUP, head_dim)
+            k, v = _rows(k_flat, gp.slots), _rows(v_flat, gp.slots)  # [R, S, Hkv, D]
+            if gp.group_req is not None:
+                k, v = k.index_select(0, gp.group_req), v.index_select(0, gp.group_req)
+            k = k.to(query.dtype).transpose(1, 2)  # [n, Hkv, S, D]
+            v = v.to(query.dtype).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=gp.mask, scale=scale)
+            o = o.view(n, num_kv_heads, per_kv, _GROUP, head_dim).permute(0, 3, 1, 2, 4)
+            out[gp.out_tok] = o.reshape(n, _GROUP, num_heads, head_dim)[gp.valid]
         return out
 
 
@@ -126,42 +130,46 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _key_slots(table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """[..., seq_len] flat KV slot of every key position of (a batch of) block table(s)."""
+    """[..., seq_len] flat KV slot of every key position of (a batch of) block table(s).
+
+    Positions past the table's last block repeat its last block (padding; the caller masks them)."""
     pos = torch.arange(seq_len, device=table.device)
-    blocks = table[..., pos // block_size].long()
+    blocks = table[..., (pos // block_size).clamp(max=table.shape[-1] - 1)].long()
     return blocks * block_size + pos % block_size
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, group: int, num_tokens: int) -> _Plan:
+def _make_plan(meta: AttentionMetadata, block_size: int, per_kv: int) -> list[_GroupPlan]:
+    """One _GroupPlan per key-length bucket, over every request's groups of new tokens."""
+    buckets: dict[int, list[tuple[int, int]]] = {}  # key length -> (request, group)
+    for r, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        if q_len > 0:
+            for g in range((s_len - q_len) // _GROUP, (s_len - 1) // _GROUP + 1):
+                buckets.setdefault(_bucket(g), []).append((r, g))
+    starts = [0]
+    for q_len in meta.query_lens_host:
+        starts.append(starts[-1] + q_len)
+    return [_group_plan(meta, starts, groups, keys, block_size, per_kv) for keys, groups in buckets.items()]
+
+
+def _group_plan(meta: AttentionMetadata, req_starts: list[int], groups: list[tuple[int, int]], keys: int,
+                block_size: int, per_kv: int) -> _GroupPlan:
     device = meta.block_tables.device
-    starts = meta.query_start_loc.tolist()
-    short = [r for r, q in enumerate(meta.query_lens_host) if 0 < q <= _BATCHED_MAX_QUERY]
-    batched = None
-    if short:
-        idx = torch.tensor(short, device=device)
-        q_lens = torch.tensor([meta.query_lens_host[r] for r in short], device=device)
-        s_lens = torch.tensor([meta.seq_lens_host[r] for r in short], device=device)
-        max_q = max(meta.query_lens_host[r] for r in short)
-        max_s = max(meta.seq_lens_host[r] for r in short)
-        qi = torch.arange(max_q, device=device)
-        valid = qi[None, :] < q_lens[:, None]  # [B, max_q]
-        tok = (meta.query_start_loc[idx].long()[:, None] + qi[None, :]).clamp(max=max(num_tokens - 1, 0))
-        kpos = torch.arange(max_s, device=device)
-        slots = _key_slots(meta.block_tables[idx], max_s, block_size)
-        slots = torch.where(kpos[None, :] < s_lens[:, None], slots, torch.zeros_like(slots))
-        qpos = (s_lens - q_lens)[:, None] + qi[None, :]  # [B, max_q]
-        mask = kpos[None, None, :] <= qpos[:, :, None]  # [B, max_q, S]
-        mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * max_q, S]
-        batched = _BatchedPlan(tok, valid, slots, mask, tok[valid], max_q)
-    long_reqs = []
-    for r, q_len in enumerate(meta.query_lens_host):
-        if q_len > _BATCHED_MAX_QUERY:
-            s_len = meta.seq_lens_host[r]
-            slots = _key_slots(meta.block_tables[r], s_len, block_size)
-            qpos = torch.arange(q_len, device=device)[:, None] + (s_len - q_len)
-            mask = torch.arange(s_len, device=device)[None, :] <= qpos  # [q_len, S]
-            long_reqs.append((starts[r], q_len, slots, mask))
-    return _Plan(batched, long_reqs)
+    reqs = sorted({r for r, _ in groups})
+    where = {r: i for i, r in enumerate(reqs)}
+    starts = [req_starts[r] for r, _ in groups]  # flat index of each group's request's new token 0
+    first = [meta.seq_lens_host[r] - meta.query_lens_host[r] for r, _ in groups]  # position of new token 0
+    last = [meta.seq_lens_host[r] for r, _ in groups]  # one past the last new token
+    to_t = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
+    pos = to_t([g * _GROUP for _, g in groups])[:, None] + torch.arange(_GROUP, device=device)  # [n, G]
+    valid = (pos >= to_t(first)[:, None]) & (pos < to_t(last)[:, None])
+    tok = torch.where(valid, to_t(starts)[:, None] + pos - to_t(first)[:, None], torch.zeros_like(pos))
+    kpos = torch.arange(keys, device=device)
+    slots = _key_slots(meta.block_tables[to_t(reqs)], keys, block_size)
+    slots = torch.where(kpos[None, :] < to_t([meta.seq_lens_host[r] for r in reqs])[:, None], slots,
+                        torch.zeros_like(slots))
+    mask = (kpos[None, None, :] <= pos[:, :, None]).repeat(1, per_kv, 1)[:, None]  # [n, 1, per_kv * G, S]
+    group_req = None if len(reqs) == len(groups) else to_t([where[r] for r, _ in groups])
+    return _GroupPlan(tok, valid, slots, group_req, mask, tok[valid])
 
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,14 +82,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device,
+                 linear: Callable[..., torch.Tensor] = F.linear) -> None:
         super().__init__()
-        self.inter = inter
+        self.inter, self.linear = inter, linear
         self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden, dtype=dtype, device=device),
                                     requires_grad=False)
         self.down = nn.Parameter(torch.empty(hidden, inter, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(x, self.gate_up)  # [T, 2 * inter]
+        gu = self.linear(x, self.gate_up)  # [T, 2 * inter]
         gate, up = gu.split(self.inter, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        return self.linear(F.silu(gate) * up, self.down)

@@ -6,6 +6,7 @@ attend over the full context, which is exact for contexts shorter than the windo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -21,9 +22,13 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+Linear = Callable[..., torch.Tensor]  # F.linear or platform.row_invariant_linear (Platform.linear)
+
+
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, linear: Linear = F.linear) -> None:
         super().__init__()
+        self.linear = linear
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
@@ -36,7 +41,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2 Hkv) * D]
+        qkv = self.linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -44,27 +49,27 @@ class Attention(nn.Module):
         q, k = rope(positions, q, k)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         o = backend.attend(q, kv_cache, meta, self.scale)  # [T, H, D]
-        return F.linear(o.reshape(t, self.q_size), self.o)
+        return self.linear(o.reshape(t, self.q_size), self.o)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, linear: Linear = F.linear) -> None:
         super().__init__()
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.attn = Attention(arch, dtype, device)
+        self.attn = Attention(arch, dtype, device, linear)
         self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype, device)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype, device, linear)
 
 
 class LlamaModel(nn.Module):
     """``forward(input_ids, positions, kv_caches, meta) -> hidden`` over flat tokens; logits on request."""
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-                 max_positions: int) -> None:
+                 max_positions: int, linear: Linear = F.linear) -> None:
         super().__init__()
-        self.arch, self.dtype, self.device, self.backend = arch, dtype, device, backend
+        self.arch, self.dtype, self.device, self.backend, self.linear = arch, dtype, device, backend, linear
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, linear) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.lm_head = self.embed if arch.tie_word_embeddings else \
             _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
@@ -94,7 +99,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()  # [N, vocab]
+        return self.linear(hidden, self.lm_head).float()  # [N, vocab]
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)

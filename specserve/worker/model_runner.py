@@ -49,7 +49,7 @@ class CachedRequest:
 
 def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int) -> LlamaModel:
     model = LlamaModel(ckpt.arch, dtype, platform.device, make_backend(platform.attention_backend),
-                       max_positions)
+                       max_positions, platform.linear(dtype))
     model.load_weights(ckpt.state_dict)
     return model.eval()
 
