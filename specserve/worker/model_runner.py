@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -82,6 +84,7 @@ class ModelRunner:
         self.target_step = ModelStep(self.model, self.kv_caches, self.block_size, self.device,
                                      plan=self.graph_plan)
         log.info("graphs: %s%s", graphs_note, f"; {self.graph_plan.describe()}" if self.graph_plan else "")
+        self._draft_calls: list[tuple[int, int, float]] = []  # (rows, tokens, seconds) of one proposal's steps
         self.proposer: Proposer | None = self._make_proposer() if spec.enabled else None
         self.controller = SpecController(spec.num_speculative_tokens, spec.adaptive) if spec.enabled else None
         self.requests: dict[str, CachedRequest] = {}
@@ -159,21 +162,47 @@ class ModelRunner:
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         if spec.method == "draft":
             assert isinstance(self.draft_model, LlamaModel)
-            return DraftModelProposer(self._draft_step(self.draft_model, self.draft_kv_caches, None),
+            return DraftModelProposer(self._timed(self._draft_step(self.draft_model, self.draft_kv_caches, None)),
                                       shares_target_kv=False, vocab_size=self.arch.vocab_size)
         if spec.method == "eagle":
             assert isinstance(self.draft_model, EagleHead)
-            return EagleProposer(eagle_step(self.model, self.draft_model, self.draft_kv_caches[0],
-                                            self.block_size, self.device),
+            return EagleProposer(self._timed(eagle_step(self.model, self.draft_model, self.draft_kv_caches[0],
+                                                        self.block_size, self.device)),
                                  self.arch.hidden_size, self.arch.vocab_size)
         if spec.method == "layer_skip":
             layers = spec.draft_layers or max(1, self.arch.num_layers // 4)
             if layers >= self.arch.num_layers:
                 raise SpecserveError(f"--draft-layers {layers} must be below the target's "
                                      f"{self.arch.num_layers} layers")
-            return DraftModelProposer(self._draft_step(self.model, self.kv_caches[:layers], layers),
+            return DraftModelProposer(self._timed(self._draft_step(self.model, self.kv_caches[:layers], layers)),
                                       shares_target_kv=True, vocab_size=self.arch.vocab_size)
         raise SpecserveError(f"speculative method {spec.method!r} is not available in this build")
+
+    def _timed(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """The proposer's model step, timed per call (rows, tokens, seconds) for the controller's draft cost."""
+        def timed(token_ids: list[list[int]], *args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = step(token_ids, *args)
+            self._draft_calls.append((len(token_ids), sum(len(t) for t in token_ids), time.perf_counter() - t0))
+            return out
+        return timed
+
+    def _draft_step_cost(self, total: float, k: int) -> float:
+        """Seconds one more draft step costs, from the last proposal (``total`` seconds, ``k`` drafts max).
+
+        NOTE: a proposal's first model call also catches the draft up on every token since that request
+        last drafted (many, after the controller paused it); charging that to each step made drafting look
+        expensive, so the controller drafted less, so catch-ups grew (eagle at batch 8: c measured 0.89 vs
+        0.10 with a fixed k). A step is one token per drafting row plus one sampling: the time after the
+        first call measures that; a single-call proposal scales its call by rows / tokens.
+        """
+        calls, self._draft_calls = self._draft_calls, []
+        if not calls:
+            return total / k  # a proposer without model steps (n-gram)
+        rows, tokens, first = calls[0]
+        if len(calls) > 1:
+            return (total - first) / (len(calls) - 1)
+        return first * rows / max(tokens, 1) + (total - first)
 
     def _draft_step(self, model: LlamaModel, kv: list[torch.Tensor], layers: int | None):
         forward = ModelStep(model, kv, self.block_size, self.device, layers, self.graph_plan)
@@ -300,10 +329,11 @@ class ModelRunner:
         if not reqs:
             return {}
         t0, captures = time.perf_counter(), self._num_captures()
+        self._draft_calls = []
         drafts = self.proposer.propose(reqs)
-        k = max(pr.k for pr in reqs)
+        step_cost = self._draft_step_cost(time.perf_counter() - t0, max(pr.k for pr in reqs))
         if self._num_captures() == captures:  # a step that captured a graph is no cost sample
-            self.controller.record_draft(len(reqs), (time.perf_counter() - t0) / k)
+            self.controller.record_draft(len(reqs), step_cost)
         out = {}
         for pr, d in zip(reqs, drafts):
             if d.token_ids:
