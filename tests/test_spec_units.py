@@ -300,3 +300,15 @@ def test_draft_step_cost_excludes_catch_up():
     r._draft_calls = [(8, 80, 0.8)]  # k = 1: the call scaled to one token per row, plus the sampling after it
     assert cost(r, 0.85, 1) == pytest.approx(0.8 * 8 / 80 + 0.05)
     assert cost(SimpleNamespace(_draft_calls=[]), 0.01, 5) == pytest.approx(0.002)  # n-gram: no model calls
+
+
+@pytest.mark.parametrize("alpha,min_gain,drafts", [(0.07, 0.03, False), (0.07, 0.0, True), (0.20, 0.03, True)])
+def test_marginal_predicted_gain_does_not_draft(alpha, min_gain, drafts):
+    """Flat verification cost and a draft step costing 5% of a target step, k = 1: the predicted gain is
+    (1 + alpha) / 1.05 - 1, i.e. +1.9% at alpha 0.07 (drafts only without the 3% margin) and +14% at 0.2."""
+    c = SpecController(max_k=1, prior_alpha=alpha, explore_every=10**6, min_gain=min_gain)
+    for n in (1, 2):
+        c.record_target(n, 0.010)
+    c.record_draft(1, 0.0005)
+    assert c.alpha("new request") == pytest.approx(alpha)
+    assert c.choose_ks(["new request"]) == ([1] if drafts else [0])

@@ -100,9 +100,12 @@ class SpecController:
     """Per-position acceptance per request + measured costs -> each request's k for this step."""
 
     def __init__(self, max_k: int, adaptive: bool = True, prior_alpha: float = 0.6,
-                 explore_every: int = 16, prior_weight: float = 2.0) -> None:
+                 explore_every: int = 16, prior_weight: float = 2.0, min_gain: float = 0.03) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
+        # Draft only when the model predicts at least this relative gain over not drafting: the estimates
+        # are noisy, and a predicted +1% that turns out -5% breaks "never slower" for nothing.
+        self.min_gain = min_gain
         self.explore_every = explore_every
         self.prior_weight = prior_weight  # pseudo-observations of the global rate in a request's estimate
         self.target_cost = StepCost()
@@ -194,7 +197,7 @@ class SpecController:
         b = len(req_ids)
         pairs = sorted(((m, i) for i, r in enumerate(req_ids) for m in self.gains(r)), key=lambda x: -x[0])
         ks = [0] * b
-        best_n, best_rate = 0, self._rate(b, other, 0, float(b), 0, 0)
+        best_n, best_rate = 0, self._rate(b, other, 0, float(b), 0, 0) * (1.0 + self.min_gain)
         tokens, k_max, drafting = float(b), 0, 0
         for n, (m, i) in enumerate(pairs, start=1):
             if m <= 0.0:
