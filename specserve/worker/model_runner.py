@@ -62,6 +62,8 @@ class ModelRunner:
         self.platform = platform
         self.device = platform.device
         self.dtype = resolve_dtype(platform, config.model.dtype)
+        log.info("compute dtype: %s (%s on %s)", str(self.dtype).removeprefix("torch."),
+                 "--dtype auto" if config.model.dtype == "auto" else "--dtype", platform.kind)
         self.arch = target.arch
         self.max_model_len = config.model.max_model_len or target.arch.max_position_embeddings
         self.block_size = config.cache.block_size
