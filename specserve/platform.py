@@ -84,11 +84,11 @@ def _triton_available() -> bool:
 def cpu_has_native_bf16() -> bool:
     """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): bf16 is then the CPU default.
 
-    NOTE: measured on a 2-core AVX512-BF16 EPYC (torch 2.13, oneDNN): a 135M model's forward costs about the
-    same for 1 to 8 tokens in bf16 (33 -> 46 ms) but 57 -> 80-120 ms in fp32 (MKL's small-M sgemm), so only
-    bf16 lets a k+1-token verification cost what one decode step costs; and oneDNN's bf16 matmuls round each
-    row the same at any row count, which makes bf16 decoding batch-invariant (see model/attention.py).
-    Without hardware bf16, oneDNN emulates it and fp32 is both faster and the safer default.
+    NOTE: measured on a 2-core AVX512-BF16 EPYC (torch 2.13, `benchmarks/step_cost.py`): the demo model's
+    forward costs 0.95-1.20x its 1-token time for 2-8 tokens in bf16 (oneDNN) but 1.35-1.97x in fp32 (MKL's
+    small-M sgemm), so only bf16 lets a k+1-token verification cost about one decode step; and with
+    ``row_invariant_linear`` bf16 decoding is batch-invariant (see model/attention.py). Without hardware
+    bf16, oneDNN emulates it and fp32 is the safer default.
     """
     checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(check is not None and bool(check()) for check in checks)

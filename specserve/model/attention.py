@@ -71,8 +71,7 @@ class _GroupPlan:
 
     tok: torch.Tensor  # [n, _GROUP] flat token index of each padded query row (0 where not a new token)
     valid: torch.Tensor  # [n, _GROUP] bool: the row is one of this step's new tokens
-    slots: torch.Tensor  # [R, S] flat KV slot of each key position, per distinct request of the bucket
-    group_req: torch.Tensor | None  # [n] row of ``slots`` each group reads (None: one group per request)
+    slots: torch.Tensor  # [n, S] flat KV slot of each key position of each group's request
     mask: torch.Tensor  # [n, 1, heads_per_kv * _GROUP, S] bool: key visible to query row
     out_tok: torch.Tensor  # [num valid] flat token index of each valid query row
 
@@ -109,11 +108,8 @@ class TorchAttention:
             # GQA without copying K/V: fold the query heads of a KV head into the query-row axis.
             q = q.view(n, _GROUP, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
             q = q.reshape(n, num_kv_heads, per_kv * _GROUP, head_dim)
-            k, v = _rows(k_flat, gp.slots), _rows(v_flat, gp.slots)  # [R, S, Hkv, D]
-            if gp.group_req is not None:
-                k, v = k.index_select(0, gp.group_req), v.index_select(0, gp.group_req)
-            k = k.to(query.dtype).transpose(1, 2)  # [n, Hkv, S, D]
-            v = v.to(query.dtype).transpose(1, 2)
+            k = _rows(k_flat, gp.slots).to(query.dtype).transpose(1, 2)  # [n, Hkv, S, D]
+            v = _rows(v_flat, gp.slots).to(query.dtype).transpose(1, 2)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=gp.mask, scale=scale)
             o = o.view(n, num_kv_heads, per_kv, _GROUP, head_dim).permute(0, 3, 1, 2, 4)
             out[gp.out_tok] = o.reshape(n, _GROUP, num_heads, head_dim)[gp.valid]
@@ -154,22 +150,19 @@ def _make_plan(meta: AttentionMetadata, block_size: int, per_kv: int) -> list[_G
 def _group_plan(meta: AttentionMetadata, req_starts: list[int], groups: list[tuple[int, int]], keys: int,
                 block_size: int, per_kv: int) -> _GroupPlan:
     device = meta.block_tables.device
-    reqs = sorted({r for r, _ in groups})
-    where = {r: i for i, r in enumerate(reqs)}
-    starts = [req_starts[r] for r, _ in groups]  # flat index of each group's request's new token 0
-    first = [meta.seq_lens_host[r] - meta.query_lens_host[r] for r, _ in groups]  # position of new token 0
-    last = [meta.seq_lens_host[r] for r, _ in groups]  # one past the last new token
+    reqs = [r for r, _ in groups]
+    starts = [req_starts[r] for r in reqs]  # flat index of each group's request's new token 0
+    first = [meta.seq_lens_host[r] - meta.query_lens_host[r] for r in reqs]  # position of new token 0
+    last = [meta.seq_lens_host[r] for r in reqs]  # one past the last new token
     to_t = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
     pos = to_t([g * _GROUP for _, g in groups])[:, None] + torch.arange(_GROUP, device=device)  # [n, G]
     valid = (pos >= to_t(first)[:, None]) & (pos < to_t(last)[:, None])
     tok = torch.where(valid, to_t(starts)[:, None] + pos - to_t(first)[:, None], torch.zeros_like(pos))
     kpos = torch.arange(keys, device=device)
     slots = _key_slots(meta.block_tables[to_t(reqs)], keys, block_size)
-    slots = torch.where(kpos[None, :] < to_t([meta.seq_lens_host[r] for r in reqs])[:, None], slots,
-                        torch.zeros_like(slots))
+    slots = torch.where(kpos[None, :] < to_t(last)[:, None], slots, torch.zeros_like(slots))
     mask = (kpos[None, None, :] <= pos[:, :, None]).repeat(1, per_kv, 1)[:, None]  # [n, 1, per_kv * G, S]
-    group_req = None if len(reqs) == len(groups) else to_t([where[r] for r, _ in groups])
-    return _GroupPlan(tok, valid, slots, group_req, mask, tok[valid])
+    return _GroupPlan(tok, valid, slots, mask, tok[valid])
 
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

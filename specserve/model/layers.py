@@ -12,6 +12,8 @@ from torch import nn
 
 from specserve.config import CheckpointError
 
+Linear = Callable[..., torch.Tensor]  # F.linear, or platform.row_invariant_linear (Platform.linear)
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 as the reference does."""
@@ -83,7 +85,7 @@ class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device,
-                 linear: Callable[..., torch.Tensor] = F.linear) -> None:
+                 linear: Linear = F.linear) -> None:
         super().__init__()
         self.inter, self.linear = inter, linear
         self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden, dtype=dtype, device=device),

@@ -6,7 +6,6 @@ attend over the full context, which is exact for contexts shorter than the windo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -15,14 +14,11 @@ from torch import nn
 
 from specserve.config import CheckpointError, ModelArch
 from specserve.model.attention import AttentionBackend, AttentionMetadata
-from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-Linear = Callable[..., torch.Tensor]  # F.linear or platform.row_invariant_linear (Platform.linear)
 
 
 class Attention(nn.Module):
