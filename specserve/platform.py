@@ -102,7 +102,10 @@ _INVARIANT_ROWS = (2, 256)
 
 def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` over [N, in] with every call made at 2..256 rows: a single row is computed next to a copy
-    of itself, more than 256 rows in chunks (a trailing single row together with its predecessor)."""
+    of itself, more than 256 rows in chunks (a trailing single row together with its predecessor). Inputs
+    with more dimensions ([..., in], e.g. distill's dense [B, S, in]) are flattened to rows first."""
+    if x.dim() > 2:
+        return row_invariant_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
     lo, hi = _INVARIANT_ROWS
     n = x.shape[0]
     if lo <= n <= hi:

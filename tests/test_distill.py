@@ -88,9 +88,32 @@ def test_head_distill_resume_and_exactness(setup):
         _greedy_equal(setup["target"], batch, speculative_method="eagle", speculative_model=out)
 
 
+def test_head_distill_reading_several_target_layers(setup):
+    """--feature-layers 1,2 (EAGLE-3 style): the collected features hold both layers, the head reads them
+    when serving, and greedy output stays exact."""
+    out = str(setup["root"] / "head_multi")
+    _distill(setup, out, "--kind", "head", "--steps", "2", "--feature-layers", "1,2", "--text-tokens", "100",
+             "--text-seq-len", "48", "--eval-prompts", "0")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["feature_layers"] == [1, 2]
+    samples, _ = load_samples(os.path.join(out, "samples.pt"))
+    hidden = load_checkpoint(setup["target"]).arch.hidden_size
+    assert all(s.features.shape[-1] == 2 * hidden for s in samples)  # engine-sampled and teacher-forced alike
+    _greedy_equal(setup["target"], 4, speculative_method="eagle", speculative_model=out)
+    from specserve.distill.cli import feature_layers
+
+    assert feature_layers("eagle3", 30) == (2, 15, 30) and feature_layers("last", 30) is None
+    for bad in ("1", "2,1,2", "x"):
+        with pytest.raises(ValueError, match="--feature-layers"):
+            feature_layers(bad, 2)
+
+
 def test_model_distill_is_a_normal_hf_draft(setup, tmp_path):
     out = str(setup["root"] / "model")
-    _distill(setup, out, "--kind", "model", "--layers", "1", "--steps", "2")
+    _distill(setup, out, "--kind", "model", "--layers", "1", "--steps", "2", "--train-dtype", "bfloat16")
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    assert state["config"]["autocast"] == "torch.bfloat16"  # mixed precision: fp32 master weights
+    assert all(v.dtype == torch.float32 for v in state["module"].values() if v.is_floating_point())
     ck = load_checkpoint(out)
     target = load_checkpoint(setup["target"])
     assert ck.arch.num_layers == 1 and ck.arch.vocab_size == target.arch.vocab_size

@@ -76,7 +76,20 @@ def tiny(tmp_path_factory):
             assert norm is not None
             norm.weight.fill_(float(model.embed.pow(2).mean().sqrt()))
     save_eagle_head(head, str(root / "head"))
-    return {"target": target, "head": str(root / "head"), "root": root, "model": model}
+    # An EAGLE-3-style head reading both target layers: fc's slot for layer 1 is random too, so drafts
+    # depend on it (a layer tapped wrongly or misaligned shows up in the dense check).
+    multi = EagleHead(EagleConfig.from_target(model.arch, feature_layers=(1, 2)), torch.float32,
+                      torch.device("cpu"), None, 1024)
+    with torch.no_grad():
+        multi.layer.load_state_dict(model.layers[0].state_dict())
+        multi.fc[:, :h] = torch.eye(h)
+        multi.fc[:, h:] = 0.3 * torch.randn(h, 2 * h, generator=gen) / h ** 0.5
+        for norm in (multi.embed_norm, multi.feature_norm):
+            assert norm is not None
+            norm.weight.fill_(float(model.embed.pow(2).mean().sqrt()))
+    save_eagle_head(multi, str(root / "head_multi"))
+    return {"target": target, "head": str(root / "head"), "head_multi": str(root / "head_multi"), "root": root,
+            "model": model}
 
 
 def _greedy(llm: LLM, max_tokens: int = 24) -> list[list[int]]:
@@ -89,9 +102,10 @@ def reference(tiny) -> list[list[int]]:
     return _greedy(LLM(tiny["target"], **ENGINE))
 
 
+@pytest.mark.parametrize("head", ["head", "head_multi"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_equal_with_eagle_head(tiny, reference, batch):
-    llm = LLM(tiny["target"], speculative_method="eagle", speculative_model=tiny["head"], num_speculative_tokens=3,
+def test_greedy_equal_with_eagle_head(tiny, reference, batch, head):
+    llm = LLM(tiny["target"], speculative_method="eagle", speculative_model=tiny[head], num_speculative_tokens=3,
               speculative_adaptive=False, max_num_seqs=batch, **ENGINE)
     assert _greedy(llm) == reference
     spec = llm.get_metrics()["speculative"]
@@ -170,20 +184,22 @@ def _dense_logits(model: LlamaModel, head: EagleHead, tokens: list[int], drafts:
     sequence re-run -- what the engine computes incrementally through the head's paged KV."""
     n = len(tokens)
     with torch.no_grad():
-        feats = dense.model_features(model, torch.tensor([tokens[:-1]]))[0]  # h_0 .. h_{L-2}
-        inputs = [torch.zeros_like(feats[0]), *feats]  # entry p reads h_{p-1}
+        feats = dense.model_features(model, torch.tensor([tokens[:-1]]), taps=head.cfg.feature_layers)[0]
+        inputs = [torch.zeros_like(feats[0]), *feats]  # entry p reads h_{p-1} (all tapped layers)
         out = []
         for j in range(len(drafts)):
             ids = torch.tensor([tokens + drafts[:j]])
             pred = dense.head_forward(head, F.embedding(ids, model.embed), torch.stack(inputs)[None])[0]
             out.append(dense.logits(model, pred[n - 1 + j]))
-            inputs.append(pred[n - 1 + j])  # the next entry reads the head's own prediction
+            # the next entry reads the head's own prediction, in the last layer's slot (others zero)
+            inputs.append(F.pad(pred[n - 1 + j], (feats.shape[-1] - pred.shape[-1], 0)))
     return out
 
 
-def test_engine_drafts_match_dense_forward(tiny):
+@pytest.mark.parametrize("kind", ["head", "head_multi"])
+def test_engine_drafts_match_dense_forward(tiny, kind):
     """Every draft (k = 3) of every proposal, with prefill chunks (token budget 24) and batch 4."""
-    llm = LLM(tiny["target"], speculative_method="eagle", speculative_model=tiny["head"], num_speculative_tokens=3,
+    llm = LLM(tiny["target"], speculative_method="eagle", speculative_model=tiny[kind], num_speculative_tokens=3,
               speculative_adaptive=False, max_num_seqs=4, max_num_batched_tokens=24, **ENGINE)
     proposer = llm.engine.runner.proposer
     seen: list[tuple[list[int], list[int]]] = []
@@ -218,5 +234,25 @@ def test_mismatched_head_is_refused(tiny, tmp_path):
     wide = save_tiny_checkpoint(tmp_path / "wide", "llama", seed=1, layers=1, hidden_size=128)
     with pytest.raises(SpecserveError, match="hidden size is 128"):
         LLM(wide, speculative_method="eagle", speculative_model=tiny["head"], num_speculative_tokens=2, **ENGINE)
+    shallow = save_tiny_checkpoint(tmp_path / "shallow", "llama", seed=1, layers=1)
+    with pytest.raises(SpecserveError, match=r"reads target layers \[1, 2\].*the target has 1 layers"):
+        LLM(shallow, speculative_method="eagle", speculative_model=tiny["head_multi"], num_speculative_tokens=2,
+            **ENGINE)
     with pytest.raises(SpecserveError, match="not an EAGLE head"):
         LLM(tiny["target"], speculative_method="eagle", speculative_model=other, num_speculative_tokens=2, **ENGINE)
+
+
+def test_feature_norm_normalises_each_layer_on_its_own():
+    from specserve.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(4, 1e-6, torch.float32, torch.device("cpu"), chunks=2)
+    norm.weight.data = torch.randn(8, generator=gen)
+    x = torch.randn(3, 8, generator=gen)
+    x[:, 4:] *= 1000  # one layer's scale must not squash the other's
+    parts = []
+    for i in range(2):
+        one = RMSNorm(4, 1e-6, torch.float32, torch.device("cpu"))
+        one.weight.data = norm.weight.data[4 * i:4 * i + 4]
+        parts.append(one(x[:, 4 * i:4 * i + 4]))
+    torch.testing.assert_close(norm(x), torch.cat(parts, dim=-1))

@@ -119,6 +119,15 @@ def test_row_invariant_linear(n):
             assert torch.equal(got[i], alone), i
 
 
+def test_row_invariant_linear_flattens_leading_dims():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 64, generator=gen).bfloat16()  # e.g. distill's dense [B, S, in]
+    w = torch.randn(32, 64, generator=gen).bfloat16()
+    got = plat.row_invariant_linear(x, w)
+    assert got.shape == (3, 5, 32)
+    assert torch.equal(got, plat.row_invariant_linear(x.reshape(15, 64), w).view(3, 5, 32))
+
+
 def test_platform_linear_choice():
     cpu = plat.Platform("cpu", torch.device("cpu"), torch.bfloat16, "torch", False, "gloo")
     assert cpu.linear(torch.bfloat16) is plat.row_invariant_linear

@@ -52,6 +52,9 @@ def add_distill_parser(sub: Any) -> None:
     d.add_argument("--batch", type=int, default=32, help="prompts sampled at once")
     d.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per training batch")
     d.add_argument("--lr", type=float, default=3e-3)
+    d.add_argument("--feature-layers", default="last",
+                   help="head: the target layers it reads, 1-based and comma-separated, ending with the last; "
+                        "'last' (EAGLE-1) or 'eagle3' (a low, the middle and the last layer: 2, L/2, L)")
     d.add_argument("--unroll-weight", type=float, default=1.0, help="head: weight of the unrolled 2nd step")
     d.add_argument("--holdout", type=float, default=0.25, help="fraction of prompts held out for evaluation")
     d.add_argument("--max-prompt-tokens", type=int, default=512,
@@ -61,7 +64,11 @@ def add_distill_parser(sub: Any) -> None:
     d.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded for acceptance (0: skip)")
     d.add_argument("--eval-max-tokens", type=int, default=64)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    d.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the target's dtype while collecting and evaluating (auto: what `serve` uses)")
+    d.add_argument("--train-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="matmul dtype of training (autocast; weights and optimizer stay fp32). auto: bfloat16 "
+                        "where the device multiplies bf16 in hardware")
     d.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     d.set_defaults(func=cmd_distill)
 
@@ -80,6 +87,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     walls: dict[str, float] = {}
     engine_kw = {"dtype": args.dtype, "device": args.device}
     llm = LLM(args.target, max_num_seqs=args.batch, enable_prefix_caching=False, **engine_kw)
+    if args.kind == "head":  # collect exactly the features the head will read when serving
+        llm.engine.runner.model.feature_layers = feature_layers(args.feature_layers, llm.engine.runner.arch.num_layers)
     t0 = time.perf_counter()
     samples, train_prompts, held = _collect(args, llm)
     walls["collect_s"] = round(time.perf_counter() - t0, 1)
@@ -143,6 +152,11 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
     meta: dict[str, Any] = {"complete": False, "next_prompt": 0}
     if args.resume and os.path.exists(path):
         samples, meta = D.load_samples(path)
+        model = llm.engine.runner.model
+        want = model.arch.hidden_size * len(model.feature_layers or (0,))
+        if samples and samples[0].features.shape[-1] != want:
+            raise ValueError(f"{path} holds features {samples[0].features.shape[-1]} wide but --feature-layers "
+                             f"{args.feature_layers} reads {want}: collect into a new --out")
         print(f"[distill] reusing {len(samples)} samples from {path}", file=sys.stderr)
     if not meta.get("complete", True):  # fresh, or a collection interrupted part-way
 
@@ -157,10 +171,40 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
         from specserve.bench.workloads import CODE_MODULES, SUMMARIZE_MODULES
 
         chunks = D.stdlib_code_chunks(llm.tokenizer, CODE_MODULES + SUMMARIZE_MODULES, args.text_seq_len, args.seed)
-        samples += D.collect_text(llm.engine.runner.model, chunks, args.text_tokens, max(1, 2048 // args.text_seq_len))
+        model = llm.engine.runner.model
+        samples += D.collect_text(model, chunks, args.text_tokens, max(1, 2048 // args.text_seq_len),
+                                  taps=model.feature_layers)
         D.save_samples(path, samples, {"dataset": args.dataset, "complete": True, "next_prompt": 0,
                                        "text_tokens": args.text_tokens})
     return samples, train_prompts, held
+
+
+def feature_layers(spec: str, num_layers: int) -> tuple[int, ...] | None:
+    """--feature-layers -> the target layers (1-based) a head reads; None for the last layer alone."""
+    if spec == "last":
+        return None
+    if spec == "eagle3":
+        layers = sorted({min(2, num_layers), max(1, num_layers // 2), num_layers})
+    else:
+        try:
+            layers = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--feature-layers {spec!r}: use 'last', 'eagle3' or layer numbers like 2,15,30") from None
+    if not layers or layers != sorted(set(layers)) or layers[0] < 1 or layers[-1] != num_layers:
+        raise ValueError(f"--feature-layers {spec!r}: increasing layer numbers from 1 that end with the last "
+                         f"layer ({num_layers})")
+    return None if layers == [num_layers] else tuple(layers)
+
+
+def _train_dtype(name: str, device: Any) -> Any:
+    """The autocast dtype of training, or None for plain fp32."""
+    import torch
+
+    from specserve.platform import detect
+
+    if name == "auto":
+        name = "bfloat16" if detect("cpu" if device.type == "cpu" else "auto").default_dtype == torch.bfloat16 else "float32"
+    return torch.bfloat16 if name == "bfloat16" else None
 
 
 def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) -> dict[str, Any]:
@@ -173,14 +217,15 @@ def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) ->
 
     target = llm.engine.runner.model
     cfg = TrainConfig(steps=0, lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed,
-                      unroll_weight=args.unroll_weight)
+                      unroll_weight=args.unroll_weight, autocast=_train_dtype(args.train_dtype, target.device))
     cfg.steps = args.steps or max(1, math.ceil(args.epochs * len(make_batches(samples, args.batch_tokens))))
     task: HeadTask | DraftModelTask
     vocab, coverage = D.draft_vocab(samples, args.draft_vocab, target.arch.vocab_size)
     if args.kind == "head":
-        rms = float(torch.cat([s.features[::7].float() for s in samples]).pow(2).mean().sqrt())
+        h = target.arch.hidden_size  # the last layer's slot: the feature the head predicts
+        rms = float(torch.cat([s.features[::7, -h:].float() for s in samples]).pow(2).mean().sqrt())
         cfg.vocab = vocab  # train over exactly the vocabulary the head will draft from
-        task = HeadTask(target, cfg, rms, llm.engine.model_name)
+        task = HeadTask(target, cfg, rms, llm.engine.model_name, target.feature_layers)
     else:
         task = DraftModelTask(target, args.layers)
     result = train(task, samples, cfg, os.path.join(args.out, "checkpoint.pt"), args.resume)

@@ -53,7 +53,8 @@ class Sample:
 
     token_ids: list[int]  # prompt + sampled output (L tokens)
     prompt_len: int
-    features: torch.Tensor  # [L - 1, hidden] fp16: the target's pre-norm features h_0 .. h_{L-2}
+    # [L - 1, n * hidden] fp16: the target's pre-norm features h_0 .. h_{L-2} (n layers, the last one last)
+    features: torch.Tensor
     top_ids: torch.Tensor  # [L - 1 - first_target, K] int64
     top_logp: torch.Tensor  # [L - 1 - first_target, K] fp16
     # First position with a soft target (None: prompt_len - 1, the sampled output only; 0: every position,
@@ -163,7 +164,8 @@ def _sample(model: Any, prompt: list[int], output: list[int], parts: list[tuple[
     feats = torch.cat([h for _, h in parts])  # [L - 1, hidden]
     if feats.shape[0] != len(ids) - 1:
         raise RuntimeError(f"captured {feats.shape[0]} features for a sequence of {len(ids)} tokens")
-    idx, vals = top_logprobs(model, feats, top_k)  # every position, the prompt's included
+    h = model.arch.hidden_size  # features may hold several layers (the head's taps); the last is the last layer
+    idx, vals = top_logprobs(model, feats[:, -h:], top_k)  # every position, the prompt's included
     return Sample(ids, len(prompt), feats.half(), idx, vals, target_from=0)
 
 
@@ -208,8 +210,8 @@ def stdlib_code_chunks(tokenizer: Any, exclude: tuple[str, ...], seq_len: int, s
             yield ids[i:i + seq_len]
 
 
-def collect_text(model: Any, chunks: Iterator[list[int]], num_tokens: int, batch: int, top_k: int = 32
-                 ) -> list[Sample]:
+def collect_text(model: Any, chunks: Iterator[list[int]], num_tokens: int, batch: int, top_k: int = 32,
+                 taps: tuple[int, ...] | None = None) -> list[Sample]:
     """Teacher-forced target passes over text (no sampling): features and soft targets at every position.
 
     A dense causal forward over [batch, seq_len] is several times faster per token on a CPU than decoding, so
@@ -223,7 +225,7 @@ def collect_text(model: Any, chunks: Iterator[list[int]], num_tokens: int, batch
             group.append(chunk)
         if len(group) < batch:
             continue
-        n = _text_batch(model, group, top_k, samples)
+        n = _text_batch(model, group, top_k, samples, taps)
         done += n
         bar.update(n)
         group = []
@@ -233,16 +235,18 @@ def collect_text(model: Any, chunks: Iterator[list[int]], num_tokens: int, batch
     return samples
 
 
-def _text_batch(model: Any, group: list[list[int]], top_k: int, out: list[Sample]) -> int:
+def _text_batch(model: Any, group: list[list[int]], top_k: int, out: list[Sample],
+                taps: tuple[int, ...] | None = None) -> int:
     n = max(len(c) for c in group)
     ids = torch.zeros(len(group), n, dtype=torch.long)
     for b, c in enumerate(group):
         ids[b, :len(c)] = torch.tensor(c)
     with torch.inference_mode():
-        feats = dense.model_features(model, ids.to(model.device)).float().cpu()  # [B, n, hidden]
+        feats = dense.model_features(model, ids.to(model.device), taps=taps).float().cpu()  # [B, n, taps x hidden]
+    h = model.arch.hidden_size
     for b, c in enumerate(group):
         f = feats[b, :len(c) - 1]
-        top, lp = top_logprobs(model, f, top_k)
+        top, lp = top_logprobs(model, f[:, -h:], top_k)  # from the last layer's slot
         out.append(Sample(list(c), 1, f.half(), top, lp, target_from=0))
     return sum(len(c) for c in group)
 

@@ -46,13 +46,18 @@ def layer_forward(layer: DecoderLayer, x: torch.Tensor, rope: RotaryEmbedding, p
     return h + layer.mlp(layer.post_norm(h))
 
 
-def model_features(model: LlamaModel, ids: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-    """ids [B, S] -> the last (or ``num_layers``-th) layer's output before the final norm [B, S, hidden]."""
+def model_features(model: LlamaModel, ids: torch.Tensor, num_layers: int | None = None,
+                   taps: tuple[int, ...] | None = None) -> torch.Tensor:
+    """ids [B, S] -> the last (or ``num_layers``-th) layer's output before the final norm [B, S, hidden]; with
+    ``taps``, the outputs of those layers (1-based) concatenated [B, S, len(taps) * hidden]."""
     positions = torch.arange(ids.shape[1], device=ids.device)
     h = F.embedding(ids, model.embed)
-    for layer in list(model.layers)[:num_layers]:
+    kept = []
+    for i, layer in enumerate(list(model.layers)[:num_layers], start=1):
         h = layer_forward(cast(DecoderLayer, layer), h, model.rope, positions)
-    return h
+        if taps and i in taps:
+            kept.append(h)
+    return torch.cat(kept, dim=-1) if taps else h
 
 
 def logits(model: LlamaModel, features: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,9 @@ class TrainConfig:
     loss_top_k: int = 16  # soft targets: the target's top-K (of the K collected)
     num_frequent: int = 2048  # always-present negatives of the sampled softmax
     vocab: torch.Tensor | None = None  # softmax over these ids (a head's draft vocabulary) instead
+    # Mixed precision: matmuls under autocast in this dtype, fp32 master weights and optimizer state. On a CPU
+    # with bf16 hardware (AVX512-BF16) a [1024 x 576] x [576 x 16384] matmul runs 3.7x faster in bf16.
+    autocast: torch.dtype | None = None
 
 
 @dataclass
@@ -122,7 +125,8 @@ def soft_ce(model: LlamaModel, features: torch.Tensor, b: Batch, rows: torch.Ten
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(soft cross-entropy vs the target's top-K, top-1 agreement) of pre-norm features [N, H] through
     ``model``'s final norm and LM head restricted to ``b.vocab``; ``rows`` selects a subset of the targets."""
-    logits = F.linear(model.norm(features), model.lm_head[b.vocab]).float()  # [N, M]
+    normed = model.norm(features)
+    logits = F.linear(normed, model.lm_head[b.vocab].to(normed.dtype)).float()  # [N, M]
     top_ids, top_p = (b.top_ids, b.top_p) if rows is None else (b.top_ids[rows], b.top_p[rows])
     logq = torch.log_softmax(logits, dim=-1)
     loss = -(top_p * logq.gather(-1, top_ids)).sum(-1).mean()
@@ -135,19 +139,20 @@ class HeadTask:
 
     kind = "head"
 
-    def __init__(self, target: LlamaModel, cfg: TrainConfig, feature_rms: float, name: str = "") -> None:
+    def __init__(self, target: LlamaModel, cfg: TrainConfig, feature_rms: float, name: str = "",
+                 feature_layers: tuple[int, ...] | None = None) -> None:
         self.target, self.cfg, self.scale = target, cfg, feature_rms
-        self.head = EagleHead(EagleConfig.from_target(target.arch, name), torch.float32, target.device, None,
-                              target.arch.max_position_embeddings + 64)
+        self.head = EagleHead(EagleConfig.from_target(target.arch, name, feature_layers), torch.float32,
+                              target.device, None, target.arch.max_position_embeddings + 64)
         h = target.arch.hidden_size
         with torch.no_grad():
             self.head.layer.load_state_dict(target.layers[-1].state_dict())
             self.head.fc.zero_()
-            self.head.fc[:, :h] = torch.eye(h)
-            self.head.fc[:, h:] = torch.eye(h)
+            self.head.fc[:, :h] = torch.eye(h)  # the embedding
+            self.head.fc[:, -h:] = torch.eye(h)  # the last layer's feature; other layers start at zero
             for norm in (self.head.embed_norm, self.head.feature_norm):
                 assert norm is not None
-                norm.weight.fill_(feature_rms)  # both inputs enter at the residual stream's scale
+                norm.weight.fill_(feature_rms)  # the inputs enter at the residual stream's scale
         for p in self.head.parameters():
             p.requires_grad_(True)
 
@@ -160,7 +165,8 @@ class HeadTask:
         pred = dense.head_forward(self.head, embeds, inputs)  # [B, S, H]
         p1 = pred[b.rows, b.pos]  # [N, H]
         ce1, agree1 = soft_ce(self.target, p1, b)
-        reg = F.smooth_l1_loss(p1 / self.scale, b.features[b.rows, b.pos] / self.scale)
+        h = p1.shape[-1]  # the regression target is the last layer's feature (the last slot)
+        reg = F.smooth_l1_loss(p1 / self.scale, b.features[b.rows, b.pos, -h:] / self.scale)
         loss = ce1 + self.cfg.reg_weight * reg
         stats = {"ce": ce1.item(), "reg": reg.item(), "top1": agree1.item()}
         if self.cfg.unroll_weight > 0:
@@ -240,7 +246,8 @@ def train(task: HeadTask | DraftModelTask, samples: list[Sample], cfg: TrainConf
 
     def save(step: int) -> None:
         torch.save({"kind": task.kind, "step": step, "module": module.state_dict(), "optimizer": opt.state_dict(),
-                    "history": history, "config": {k: v for k, v in cfg.__dict__.items() if k != "vocab"}},
+                    "history": history,
+                    "config": {k: str(v) if k == "autocast" else v for k, v in cfg.__dict__.items() if k != "vocab"}},
                    ckpt_path + ".tmp")
         os.replace(ckpt_path + ".tmp", ckpt_path)
 
@@ -251,7 +258,9 @@ def train(task: HeadTask | DraftModelTask, samples: list[Sample], cfg: TrainConf
             break
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
-        loss, stats = task.loss(collate(samples, idx, device, cfg.loss_top_k, frequent, cfg.vocab))
+        batch = collate(samples, idx, device, cfg.loss_top_k, frequent, cfg.vocab)
+        with torch.autocast(device.type, dtype=cfg.autocast or torch.float32, enabled=cfg.autocast is not None):
+            loss, stats = task.loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -51,12 +51,20 @@ class EagleConfig:
     # whose residual stream is ~200x the scale of its embeddings (SmolLM2: features RMS ~28 with outliers in
     # the thousands, embeddings RMS ~0.14) hides the token from the head. False only for heads saved before.
     input_norms: bool = False
+    # Target layers whose outputs (pre-norm, 1-based: L = the last layer) make the feature, concatenated
+    # (EAGLE-3, arXiv 2503.01840, fuses a low, a middle and a high layer). None: the last layer only.
+    feature_layers: tuple[int, ...] | None = None
 
     @staticmethod
-    def from_target(arch: ModelArch, name: str = "") -> EagleConfig:
+    def from_target(arch: ModelArch, name: str = "", feature_layers: tuple[int, ...] | None = None) -> EagleConfig:
         return EagleConfig(arch.vocab_size, arch.hidden_size, arch.intermediate_size, arch.num_heads,
                            arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps, arch.rope_theta,
-                           arch.rope_scaling, arch.max_position_embeddings, name, input_norms=True)
+                           arch.rope_scaling, arch.max_position_embeddings, name, input_norms=True,
+                           feature_layers=feature_layers)
+
+    @property
+    def num_feature_layers(self) -> int:
+        return len(self.feature_layers) if self.feature_layers else 1
 
     def layer_arch(self) -> ModelArch:
         """One-layer arch (KV sizing reads ``num_layers``, ``num_kv_heads`` and ``head_dim``)."""
@@ -80,10 +88,12 @@ class EagleHead(nn.Module):
         self.cfg, self.dtype, self.device, self.backend = cfg, dtype, device, backend
         self.arch = cfg.layer_arch()
         h = cfg.hidden_size
-        self.fc = _param(h, 2 * h, dtype=dtype, device=device)
+        n = cfg.num_feature_layers
+        self.fc = _param(h, (1 + n) * h, dtype=dtype, device=device)
         self.fc_bias = _param(h, dtype=dtype, device=device)
         self.embed_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device) if cfg.input_norms else None
-        self.feature_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device) if cfg.input_norms else None
+        # One RMSNorm per feature layer (weight [n * hidden]): each layer's output has its own scale.
+        self.feature_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device, chunks=n) if cfg.input_norms else None
         self.layer = DecoderLayer(self.arch, dtype, device)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                     torch.float32 if dtype == torch.float32 else dtype, device)
@@ -105,8 +115,12 @@ class EagleHead(nn.Module):
         return out
 
     def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        # embeds, features: [..., hidden] -> [..., hidden]
+        """embeds [..., hidden]; features [..., n * hidden] (the target's layers) or [..., hidden] (the head's
+        own prediction of the last layer, drafting step 2..k: the other layers' slots are zeros) -> [..., hidden]."""
         features = features.to(embeds.dtype)
+        n, h = self.cfg.num_feature_layers, self.cfg.hidden_size
+        if n > 1 and features.shape[-1] == h:
+            features = torch.cat([features.new_zeros(*features.shape[:-1], (n - 1) * h), features], dim=-1)
         if self.embed_norm is not None and self.feature_norm is not None:
             embeds, features = self.embed_norm(embeds), self.feature_norm(features)
         return F.linear(torch.cat([embeds, features], dim=-1), self.fc, self.fc_bias)
@@ -194,9 +208,15 @@ def read_eagle_config(path: str) -> EagleConfig:
                              f"--speculative-method draft for a standalone draft model")
     fields = EagleConfig.__dataclass_fields__
     try:
-        return EagleConfig(**{k: v for k, v in raw.items() if k in fields})
+        cfg = EagleConfig(**{k: v for k, v in raw.items() if k in fields})
     except TypeError as e:
         raise CheckpointError(f"{file}: incomplete EAGLE head config ({e})") from e
+    layers = cfg.feature_layers
+    if layers is not None:
+        if not isinstance(layers, list) or not layers or not all(isinstance(i, int) and i >= 1 for i in layers):
+            raise CheckpointError(f"{file}: feature_layers must be a list of target layer numbers (1-based)")
+        cfg = replace(cfg, feature_layers=tuple(layers))
+    return cfg
 
 
 def load_eagle_head(path: str, target: ModelArch, lm_head: torch.Tensor, dtype: torch.dtype, device: torch.device,
@@ -213,6 +233,10 @@ def load_eagle_head(path: str, target: ModelArch, lm_head: torch.Tensor, dtype: 
     if cfg.hidden_size != target.hidden_size:
         raise SpecserveError(f"EAGLE head {path} reads features of size {cfg.hidden_size} but the target's hidden "
                              f"size is {target.hidden_size}: it was distilled for another target")
+    if cfg.feature_layers and cfg.feature_layers[-1] != target.num_layers:
+        raise SpecserveError(f"EAGLE head {path} reads target layers {list(cfg.feature_layers)}, ending with the "
+                             f"last, but the target has {target.num_layers} layers: it was distilled for another "
+                             f"target")
     file = os.path.join(os.path.expanduser(path), "model.safetensors")
     try:
         sd = load_file(file)

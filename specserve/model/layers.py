@@ -16,18 +16,21 @@ Linear = Callable[..., torch.Tensor]  # F.linear, or platform.row_invariant_line
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 as the reference does."""
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 as the reference does. ``chunks`` > 1: the last
+    dimension is that many concatenated vectors of ``dim``, each normalised on its own (weight [chunks * dim])."""
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device, chunks: int = 1) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
-        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(chunks * dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps, self.dim, self.chunks = eps, dim, chunks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        dtype, shape = x.dtype, x.shape
         x = x.float()
+        if self.chunks > 1:
+            x = x.reshape(*shape[:-1], self.chunks, self.dim)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * x.reshape(shape).to(dtype)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -71,6 +71,9 @@ class LlamaModel(nn.Module):
             _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling,
                                     torch.float32 if dtype == torch.float32 else dtype, device)
+        # The layers (1-based) whose outputs ``return_prenorm`` concatenates (an EAGLE-3-style head's
+        # feature); None: the last layer only.
+        self.feature_layers: tuple[int, ...] | None = None
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -84,14 +87,21 @@ class LlamaModel(nn.Module):
 
         ``num_layers`` runs only the first layers (layer-skip self-drafting); ``kv_caches`` then needs only
         as many entries. ``return_prenorm``: also return the last layer's output before the final norm
-        (the features an EAGLE head reads): ``(normed, prenorm)``, both [T, hidden].
+        (the features an EAGLE head reads): ``(normed, prenorm)``, [T, hidden] and [T, n * hidden] with the
+        outputs of ``self.feature_layers`` (n of them) concatenated.
         """
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         layers = self.decoder_layers if num_layers is None else self.decoder_layers[:num_layers]
-        for layer, kv_cache in zip(layers, kv_caches):
+        taps = self.feature_layers if return_prenorm and self.feature_layers else ()
+        kept: list[torch.Tensor] = []
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches), start=1):
             h = h + layer.attn(layer.input_norm(h), positions, self.rope, kv_cache, meta, self.backend)
             h = h + layer.mlp(layer.post_norm(h))
-        return (self.norm(h), h) if return_prenorm else self.norm(h)
+            if i in taps:
+                kept.append(h)
+        if not return_prenorm:
+            return self.norm(h)
+        return self.norm(h), (torch.cat(kept, dim=-1) if taps else h)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -34,9 +34,9 @@ EagleStep = Callable[[list[list[int]], list[torch.Tensor], list[int], list[tuple
 class EagleProposer:
     writes_kv = True
 
-    def __init__(self, step: EagleStep, hidden_size: int, vocab_size: int) -> None:
+    def __init__(self, step: EagleStep, feature_size: int, vocab_size: int) -> None:
         self.step = step
-        self.hidden_size = hidden_size
+        self.feature_size = feature_size  # the target's feature per position: n feature layers x hidden
         self.sampler = DraftSampler(vocab_size)
         self._valid: dict[str, int] = {}  # req_id -> head KV holds true entries for positions below this
 
@@ -68,12 +68,12 @@ class EagleProposer:
         return drafts
 
     def _features(self, f: torch.Tensor | None, first: int, lo: int, hi: int) -> torch.Tensor:
-        """[hi - lo, hidden]: the target's features for positions lo .. hi - 1 (``f`` holds positions from
+        """[hi - lo, feature size]: the target's features for positions lo .. hi - 1 (``f`` holds positions from
         ``first``); zeros where the worker has none."""
         if f is not None and lo >= first and hi <= first + f.shape[0]:
             return f[lo - first:hi - first]
         ref = f if f is not None else torch.empty(0)
-        out = ref.new_zeros(hi - lo, self.hidden_size)
+        out = ref.new_zeros(hi - lo, self.feature_size)
         if f is not None:
             a, b = max(lo, first), min(hi, first + f.shape[0])
             if b > a:

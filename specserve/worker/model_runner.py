@@ -76,6 +76,7 @@ class ModelRunner:
             self.draft_model = load_eagle_head(spec.model or "", self.arch, self.model.lm_head, self.dtype,
                                                self.device, make_backend(platform.attention_backend),
                                                self.max_model_len + 64)
+            self.model.feature_layers = self.draft_model.cfg.feature_layers  # the layers the head reads
         # Receives the target's pre-norm features of every row (EAGLE; `specserve distill` sets its own).
         self.feature_sink: FeatureSink | None = self._keep_features if spec.method == "eagle" else None
         self.num_blocks = self._num_blocks()
@@ -170,7 +171,8 @@ class ModelRunner:
             assert isinstance(self.draft_model, EagleHead)
             return EagleProposer(self._timed(eagle_step(self.model, self.draft_model, self.draft_kv_caches[0],
                                                         self.block_size, self.device)),
-                                 self.arch.hidden_size, self.arch.vocab_size)
+                                 self.arch.hidden_size * self.draft_model.cfg.num_feature_layers,
+                                 self.arch.vocab_size)
         if spec.method == "layer_skip":
             layers = spec.draft_layers or max(1, self.arch.num_layers // 4)
             if layers >= self.arch.num_layers:
