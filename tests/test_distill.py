@@ -93,7 +93,7 @@ def test_head_distill_reading_several_target_layers(setup):
     when serving, and greedy output stays exact."""
     out = str(setup["root"] / "head_multi")
     _distill(setup, out, "--kind", "head", "--steps", "2", "--feature-layers", "1,2", "--text-tokens", "100",
-             "--text-seq-len", "48", "--eval-prompts", "0")
+             "--text-seq-len", "48", "--eval-prompts", "0", "--train-dtype", "bfloat16")
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["feature_layers"] == [1, 2]
     samples, _ = load_samples(os.path.join(out, "samples.pt"))

@@ -101,7 +101,7 @@ def head_second_step(head: EagleHead, embeds: torch.Tensor, features: torch.Tens
         mask = torch.cat([positions[None, :] < p[:, None],  # true entries before p
                           torch.eye(n, dtype=torch.bool, device=p.device)], dim=1)  # [n, S + n]: and itself
         o[sel] = F.scaled_dot_product_attention(q2[sel].transpose(0, 1), keys, vals, attn_mask=mask,
-                                                scale=attn.scale).transpose(0, 1)
+                                                scale=attn.scale).transpose(0, 1).to(o.dtype)  # autocast
     h = x2 + F.linear(o.reshape(o.shape[0], attn.q_size), attn.o)
     return h + layer.mlp(layer.post_norm(h))
 
