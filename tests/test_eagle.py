@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -256,3 +257,17 @@ def test_feature_norm_normalises_each_layer_on_its_own():
         one.weight.data = norm.weight.data[4 * i:4 * i + 4]
         parts.append(one(x[:, 4 * i:4 * i + 4]))
     torch.testing.assert_close(norm(x), torch.cat(parts, dim=-1))
+
+
+def test_bad_feature_layers_in_config_are_refused(tiny, tmp_path):
+    import shutil
+
+    from specserve.config import CheckpointError
+
+    out = tmp_path / "bad_head"
+    shutil.copytree(tiny["head_multi"], out)
+    raw = json.loads((out / "config.json").read_text())
+    for bad in ([0, 2], [], "2"):
+        (out / "config.json").write_text(json.dumps({**raw, "feature_layers": bad}))
+        with pytest.raises(CheckpointError, match="feature_layers"):
+            LLM(tiny["target"], speculative_model=str(out), num_speculative_tokens=2, **ENGINE)

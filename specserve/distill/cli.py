@@ -52,7 +52,7 @@ def add_distill_parser(sub: Any) -> None:
     d.add_argument("--batch", type=int, default=32, help="prompts sampled at once")
     d.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per training batch")
     d.add_argument("--lr", type=float, default=3e-3)
-    d.add_argument("--feature-layers", default="last",
+    d.add_argument("--feature-layers", default="eagle3",
                    help="head: the target layers it reads, 1-based and comma-separated, ending with the last; "
                         "'last' (EAGLE-1) or 'eagle3' (a low, the middle and the last layer: 2, L/2, L)")
     d.add_argument("--unroll-weight", type=float, default=1.0, help="head: weight of the unrolled 2nd step")
@@ -64,9 +64,9 @@ def add_distill_parser(sub: Any) -> None:
     d.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded for acceptance (0: skip)")
     d.add_argument("--eval-max-tokens", type=int, default=64)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+    d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the target's dtype while collecting and evaluating (auto: what `serve` uses)")
-    d.add_argument("--train-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+    d.add_argument("--train-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="matmul dtype of training (autocast; weights and optimizer stay fp32). auto: bfloat16 "
                         "where the device multiplies bf16 in hardware")
     d.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
