@@ -160,7 +160,6 @@ def test_input_norms_make_the_head_blind_to_feature_scale(tiny):
 def test_head_saved_without_input_norms_still_loads(tiny, reference, tmp_path):
     """Heads saved before the input norms (no ``input_norms`` in config.json, no norm tensors) load as such."""
     import dataclasses
-    import json
 
     from safetensors.torch import load_file
 
