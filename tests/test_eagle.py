@@ -266,7 +266,7 @@ def test_bad_feature_layers_in_config_are_refused(tiny, tmp_path):
     out = tmp_path / "bad_head"
     shutil.copytree(tiny["head_multi"], out)
     raw = json.loads((out / "config.json").read_text())
-    for bad in ([0, 2], [], "2"):
+    for bad in ([0, 2], [], "2", [2, 1, 2]):
         (out / "config.json").write_text(json.dumps({**raw, "feature_layers": bad}))
         with pytest.raises(CheckpointError, match="feature_layers"):
             LLM(tiny["target"], speculative_model=str(out), num_speculative_tokens=2, **ENGINE)

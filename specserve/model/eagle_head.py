@@ -213,8 +213,9 @@ def read_eagle_config(path: str) -> EagleConfig:
         raise CheckpointError(f"{file}: incomplete EAGLE head config ({e})") from e
     layers = cfg.feature_layers
     if layers is not None:
-        if not isinstance(layers, list) or not layers or not all(isinstance(i, int) and i >= 1 for i in layers):
-            raise CheckpointError(f"{file}: feature_layers must be a list of target layer numbers (1-based)")
+        if not isinstance(layers, list) or not layers or not all(isinstance(i, int) and i >= 1 for i in layers) \
+                or layers != sorted(set(layers)):  # the target concatenates its layers in layer order
+            raise CheckpointError(f"{file}: feature_layers must be increasing target layer numbers (1-based)")
         cfg = replace(cfg, feature_layers=tuple(layers))
     return cfg
 
