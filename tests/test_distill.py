@@ -83,6 +83,8 @@ def test_head_distill_resume_and_exactness(setup):
     assert ck2["step"] == 5
     assert [h["step"] for h in ck2["history"]] == [1, 2, 3, 4, 5]
     assert ck2["history"][:3] == ck["history"]  # continued, not restarted
+    # Extending a finished run restarts the LR schedule (warmup + cosine over the new steps) from step 3.
+    assert ck2["config"]["schedule_from"] == 3 and ck2["history"][3]["lr"] == pytest.approx(3e-3 / 20)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in ck2["history"])
     for batch in (1, 4):
         _greedy_equal(setup["target"], batch, speculative_method="eagle", speculative_model=out)
@@ -168,3 +170,44 @@ def test_held_out_prompts_written_as_bench_datasets(tmp_path):
     code = load_dataset(str(tmp_path / "heldout-code.jsonl"))
     assert [it.id for it in code] == ["code-010", "code-011"]
     assert code[0].messages == next(it for it in load_dataset("code") if it.id == "code-010").messages
+
+
+def test_resume_with_a_new_source_appends_its_samples(setup):
+    out = str(setup["root"] / "append")
+    more = setup["root"] / "more.txt"
+    more.write_text("import os\nclass Stack:\nThe weather today is\nx = [i * i for i in range(5)]\n")
+    _distill(setup, out, "--kind", "head", "--steps", "2", "--eval-prompts", "0", "--holdout", "0")
+    before, meta = load_samples(os.path.join(out, "samples.pt"))
+    assert meta["dataset"] == setup["prompts"]
+    _distill(setup, out, "--kind", "head", "--steps", "4", "--eval-prompts", "0", "--holdout", "0", "--resume",
+             "--dataset", f"{setup['prompts']},{more}", "--tokens", "40")
+    after, meta = load_samples(os.path.join(out, "samples.pt"))
+    assert meta["dataset"] == f"{setup['prompts']},{more}" and meta["complete"]
+    assert [s.token_ids for s in after[:len(before)]] == [s.token_ids for s in before]  # kept, in order
+    new = after[len(before):]
+    assert new and sum(len(s.token_ids) - s.prompt_len for s in new) >= 40
+    assert all(s.token_ids[:s.prompt_len] not in [b.token_ids[:b.prompt_len] for b in before] for s in new)
+    ck = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    assert ck["step"] == 4
+    _distill(setup, out, "--kind", "head", "--steps", "4", "--eval-prompts", "0", "--holdout", "0", "--resume",
+             "--dataset", f"{setup['prompts']},{more}", "--tokens", "40")
+    assert len(load_samples(os.path.join(out, "samples.pt"))[0]) == len(after)  # nothing new to add
+
+
+def test_stdlib_code_prompts_avoid_the_benchmark_modules():
+    from specserve.bench.workloads import (
+        CODE_MODULES,
+        SUMMARIZE_MODULES,
+        TRAIN_CODE,
+        build_code,
+        build_code_train,
+    )
+
+    items = build_code_train(limit=80)
+    assert len(items) == 80 and len({it.id for it in items}) == 80
+    assert all(it.id.startswith(TRAIN_CODE + "-") and it.task == "complete_body" for it in items)
+    modules = {it.source["module"] for it in items}
+    assert len(modules) >= 40  # round-robin over many modules
+    assert not modules & set(CODE_MODULES + SUMMARIZE_MODULES)
+    bench = {(it.source["module"], it.source["qualname"]) for it in build_code()}
+    assert not bench & {(it.source["module"], it.source["qualname"]) for it in items}

@@ -53,6 +53,7 @@ SUMMARIZE_MODULES = (
 )
 MAX_PROMPT_CHARS = 3000  # ~1000 tokens of English or code for a BPE tokenizer: fits a small model's context
 NUM_CODE, NUM_SUMMARIZE, NUM_EDIT = 64, 40, 48
+TRAIN_CODE, NUM_CODE_TRAIN = "stdlib-code", 600  # distill's extra code prompts (not a benchmark)
 
 CHAT_INSTRUCTIONS = (
     "Write a short story about a robot who learns to paint.",
@@ -233,24 +234,61 @@ def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
+def _code_keep(d: _Def) -> bool:
+    doc = ast.get_docstring(d.node) or ""
+    n_lines = (d.node.end_lineno or d.node.lineno) - d.node.lineno
+    return _public(d) and len(doc) >= 60 and 4 <= n_lines <= 60 and len(_segment(d)) <= MAX_PROMPT_CHARS
+
+
+def _code_item(item_id: str, d: _Def) -> Item:
+    stub = copy.copy(d.node)  # shallow: only the body and decorators are replaced
+    stub.body, stub.decorator_list = [d.node.body[0]], []
+    sig = ast.unparse(stub)
+    where = f"method `{d.qualname}`" if "." in d.qualname else f"function `{d.qualname}`"
+    text = (f"Implement the body of the {where} from the Python standard library module "
+            f"`{d.module}`. Reply with the complete function in one Python code block.\n\n"
+            f"```python\n{sig}\n```")
+    return Item(item_id, _user(text), source=d.provenance, task="complete_body")
+
+
 def build_code() -> list[Item]:
     """Signature + docstring of a stdlib function; ask for the body."""
-    def keep(d: _Def) -> bool:
-        doc = ast.get_docstring(d.node) or ""
-        n_lines = (d.node.end_lineno or d.node.lineno) - d.node.lineno
-        return _public(d) and len(doc) >= 60 and 4 <= n_lines <= 60 and len(_segment(d)) <= MAX_PROMPT_CHARS
+    return [_code_item(f"code-{i:03d}", d) for i, d in enumerate(_select(CODE_MODULES, _code_keep, per=3,
+                                                                           limit=NUM_CODE))]
 
-    items = []
-    for i, d in enumerate(_select(CODE_MODULES, keep, per=3, limit=NUM_CODE)):
-        stub = copy.copy(d.node)  # shallow: only the body and decorators are replaced
-        stub.body, stub.decorator_list = [d.node.body[0]], []
-        sig = ast.unparse(stub)
-        where = f"method `{d.qualname}`" if "." in d.qualname else f"function `{d.qualname}`"
-        text = (f"Implement the body of the {where} from the Python standard library module "
-                f"`{d.module}`. Reply with the complete function in one Python code block.\n\n"
-                f"```python\n{sig}\n```")
-        items.append(Item(f"code-{i:03d}", _user(text), source=d.provenance, task="complete_body"))
-    return items
+
+_SKIP_DIRS = ("test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__", "turtledemo", "ensurepip")
+
+
+def stdlib_sources(exclude: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(module name, file) of every pure-Python stdlib source outside test suites, sorted, without the modules
+    named in ``exclude`` (a package name skips the files directly in it)."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {os.path.join(root, *m.split(".")) for m in exclude}
+    out = []
+    for dirpath, dirnames, names in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for n in sorted(names):
+            path = os.path.join(dirpath, n)
+            if n.endswith(".py") and path[:-3] not in skip and dirpath not in skip:
+                rel = os.path.relpath(path[:-3], root).replace(os.sep, ".")
+                out.append((rel.removesuffix(".__init__"), path))
+    return out
+
+
+def build_code_train(limit: int = NUM_CODE_TRAIN) -> list[Item]:
+    """``code``-style prompts over the stdlib modules that no benchmark workload reads: training prompts for
+    `specserve distill` (dataset ``stdlib-code``) that keep every benchmark prompt, and its module, unseen."""
+    per_module = []
+    for module, _ in stdlib_sources(CODE_MODULES + SUMMARIZE_MODULES):
+        if module.split(".")[-1].startswith("_") or "__main__" in module:
+            continue
+        try:
+            defs = [d for d in _defs(module) if _code_keep(d)]
+        except (SyntaxError, UnicodeDecodeError, ValueError, FileNotFoundError):
+            continue  # a file this Python cannot parse
+        per_module.append(sorted(defs, key=lambda d: _stable_key(d.module, d.qualname))[:4])
+    return [_code_item(f"{TRAIN_CODE}-{i:03d}", d) for i, d in enumerate(_pick(per_module, limit))]
 
 
 def _truncate_paragraphs(text: str, limit: int) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 from specserve.platform import DEVICE_CHOICES
 
 WORKLOADS = "chat,code,summarize,edit,instructions"
+EXTRA_SOURCES = "stdlib-code"
 
 
 def add_distill_parser(sub: Any) -> None:
@@ -35,7 +36,8 @@ def add_distill_parser(sub: Any) -> None:
                    help="head: EAGLE head (1 layer over target features); model: standalone small Llama")
     d.add_argument("--layers", type=int, default=2, help="--kind model: decoder layers of the draft (1-4)")
     d.add_argument("--dataset", default=WORKLOADS,
-                   help=f"comma-separated workloads ({WORKLOADS}) and/or files (.txt one prompt per line, "
+                   help=f"comma-separated sources: workloads ({WORKLOADS}), {EXTRA_SOURCES} (code prompts over "
+                        f"stdlib modules the benchmarks never read) and/or files (.txt one prompt per line, "
                         f".json/.jsonl workload format)")
     d.add_argument("--tokens", type=int, default=32000, help="target-sampled tokens to collect")
     d.add_argument("--text-tokens", type=int, default=0,
@@ -46,7 +48,9 @@ def add_distill_parser(sub: Any) -> None:
                    help="every N-th sampling batch decodes greedily (0: all sampled at --temperature)")
     d.add_argument("--steps", type=int, default=None, help="total optimizer steps (default: --epochs passes)")
     d.add_argument("--epochs", type=float, default=3.0)
-    d.add_argument("--resume", action="store_true", help="reuse DIR/samples.pt and continue DIR/checkpoint.pt")
+    d.add_argument("--resume", action="store_true",
+                   help="reuse DIR/samples.pt and continue DIR/checkpoint.pt; --dataset sources it lacks are "
+                        "sampled (--tokens more) and added")
     d.add_argument("--max-tokens", type=int, default=128, help="tokens sampled per prompt")
     d.add_argument("--temperature", type=float, default=0.8)
     d.add_argument("--batch", type=int, default=32, help="prompts sampled at once")
@@ -137,16 +141,13 @@ def _write_held_out(out: str, dataset: str, held: set[str]) -> list[str]:
 
 
 def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], list[Any]]:
-    """(samples, training prompts, held-out prompts); resumes a partial or reuses a complete samples.pt."""
+    """(samples, training prompts, held-out prompts); resumes a partial or reuses a complete samples.pt.
+
+    ``--resume`` with a ``--dataset`` naming sources that samples.pt lacks samples those sources' training
+    prompts too (``--tokens`` more tokens) and appends them: more data for a head without collecting again.
+    Held-out prompts keep their order (the collected sources' first), so evaluations stay comparable."""
     from specserve.distill import data as D
 
-    limit = min(args.max_prompt_tokens, llm.engine.max_model_len - args.max_tokens)
-    prompts = [p for p in D.load_prompts(args.dataset, llm.tokenizer) if 0 < len(p.token_ids) <= limit]
-    if not prompts:
-        raise ValueError(f"no prompt of --dataset {args.dataset!r} fits {limit} tokens")
-    train_prompts, held = D.split(prompts, args.holdout)
-    random.Random(args.seed).shuffle(train_prompts)  # every source is sampled, however few tokens are asked
-    random.Random(args.seed + 1).shuffle(held)
     path = os.path.join(args.out, "samples.pt")
     samples: list[D.Sample] = []
     meta: dict[str, Any] = {"complete": False, "next_prompt": 0}
@@ -158,6 +159,10 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
             raise ValueError(f"{path} holds features {samples[0].features.shape[-1]} wide but --feature-layers "
                              f"{args.feature_layers} reads {want}: collect into a new --out")
         print(f"[distill] reusing {len(samples)} samples from {path}", file=sys.stderr)
+    sources = _sources(args.dataset)
+    have = _sources(meta.get("dataset") or args.dataset) if meta.get("complete") else sources
+    added = [s for s in sources if s not in have]
+    train_prompts, held = _prompts(args, llm, ",".join(have))
     if not meta.get("complete", True):  # fresh, or a collection interrupted part-way
 
         def save(done: list[D.Sample], next_prompt: int, complete: bool = False) -> None:
@@ -166,7 +171,16 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
         samples = D.collect(llm, train_prompts, args.tokens, args.max_tokens, args.temperature, args.batch,
                             args.seed, samples=samples, start=int(meta.get("next_prompt", 0)), on_batch=save,
                             greedy_every=args.greedy_every)
-        save(samples, 0, complete=True)
+        meta = {"dataset": args.dataset, "complete": True, "next_prompt": 0}
+        D.save_samples(path, samples, meta)
+    if added:
+        new_train, new_held = _prompts(args, llm, ",".join(added))
+        print(f"[distill] adding {', '.join(added)}: {len(new_train)} training prompts", file=sys.stderr)
+        samples += D.collect(llm, new_train, args.tokens, args.max_tokens, args.temperature, args.batch,
+                             args.seed, greedy_every=args.greedy_every)
+        meta = {**meta, "dataset": ",".join(have + added)}
+        D.save_samples(path, samples, meta)
+        train_prompts, held = train_prompts + new_train, held + new_held
     if args.text_tokens > 0 and not meta.get("text_tokens"):
         from specserve.bench.workloads import CODE_MODULES, SUMMARIZE_MODULES
 
@@ -174,9 +188,27 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
         model = llm.engine.runner.model
         samples += D.collect_text(model, chunks, args.text_tokens, max(1, 2048 // args.text_seq_len),
                                   taps=model.feature_layers)
-        D.save_samples(path, samples, {"dataset": args.dataset, "complete": True, "next_prompt": 0,
-                                       "text_tokens": args.text_tokens})
+        D.save_samples(path, samples, {**meta, "text_tokens": args.text_tokens})
     return samples, train_prompts, held
+
+
+def _sources(dataset: str) -> list[str]:
+    return [s.strip() for s in dataset.split(",") if s.strip()]
+
+
+def _prompts(args: argparse.Namespace, llm: Any, dataset: str) -> tuple[list[Any], list[Any]]:
+    """(training prompts, held-out prompts) of ``dataset``, each in a seeded order; prompts longer than
+    --max-prompt-tokens are skipped."""
+    from specserve.distill import data as D
+
+    limit = min(args.max_prompt_tokens, llm.engine.max_model_len - args.max_tokens)
+    prompts = [p for p in D.load_prompts(dataset, llm.tokenizer) if 0 < len(p.token_ids) <= limit]
+    if not prompts:
+        raise ValueError(f"no prompt of --dataset {dataset!r} fits {limit} tokens")
+    train_prompts, held = D.split(prompts, args.holdout)
+    random.Random(args.seed).shuffle(train_prompts)  # every source is sampled, however few tokens are asked
+    random.Random(args.seed + 1).shuffle(held)
+    return train_prompts, held
 
 
 def feature_layers(spec: str, num_layers: int) -> tuple[int, ...] | None:

@@ -1,8 +1,9 @@
 """Training text for drafts: the target's *own* samples, collected through the engine.
 
 Prompts come from the benchmark workloads (``specserve/bench/workloads.py``: code, summarize, chat, edit), a
-built-in list of everyday instructions (``instructions``), or a user file (``.txt``: one raw prompt per line;
-``.json``/``.jsonl``: the workload formats). A stable hash of each prompt id holds a fraction out for
+built-in list of everyday instructions (``instructions``), ``stdlib-code`` (``code``-style prompts over the
+stdlib modules no benchmark workload reads: more of the code task, none of its prompts), or a user file
+(``.txt``: one raw prompt per line; ``.json``/``.jsonl``: the workload formats). A stable hash of each prompt id holds a fraction out for
 evaluation. The engine samples every training prompt (batched, temperature ~0.8); a feature sink on the
 worker captures the target's pre-norm last-layer features for every position as they are computed, so the
 target never runs twice. Soft targets are the target's top-K next-token log-probabilities at every position
@@ -14,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -76,11 +76,15 @@ def builtin_instructions() -> list[tuple[str, list[dict[str, str]]]]:
 
 
 def load_prompts(spec: str, tokenizer: Any) -> list[Prompt]:
-    """Comma-separated workload names (code, summarize, chat, edit, instructions) and/or files."""
+    """Comma-separated workload names (code, summarize, chat, edit, instructions, stdlib-code) and/or files."""
+    from specserve.bench.workloads import TRAIN_CODE, build_code_train
+
     out: list[Prompt] = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if name == "instructions":
             out += [Prompt(i, tokenizer.apply_chat_template(m)) for i, m in builtin_instructions()]
+        elif name == TRAIN_CODE:
+            out += [Prompt(it.id, tokenizer.apply_chat_template(it.messages or [])) for it in build_code_train()]
         elif name.endswith(".txt") and os.path.isfile(name):
             with open(name, encoding="utf-8") as f:
                 lines = [ln.rstrip("\n") for ln in f if ln.strip()]
@@ -188,16 +192,9 @@ def stdlib_code_chunks(tokenizer: Any, exclude: tuple[str, ...], seq_len: int, s
 
     Modules named in ``exclude`` (the benchmark workloads' sources) are skipped, so benchmark prompts stay
     unseen. The files are read, never imported; the tokenizer's BOS (if any) is not added."""
-    root = sysconfig.get_paths()["stdlib"]
-    skip = {os.path.join(root, *m.split(".")) for m in exclude}
-    files = []
-    for dirpath, dirnames, names in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "idlelib", "site-packages",
-                                                              "lib2to3", "__pycache__", "turtledemo"))
-        for n in sorted(names):
-            path = os.path.join(dirpath, n)
-            if n.endswith(".py") and path[:-3] not in skip and dirpath not in skip:
-                files.append(path)
+    from specserve.bench.workloads import stdlib_sources
+
+    files = [path for _, path in stdlib_sources(exclude)]
     random.Random(seed).shuffle(files)
     for path in files:
         try:

@@ -43,6 +43,9 @@ class TrainConfig:
     unroll_weight: float = 1.0  # head: weight of the second (unrolled) draft step; 0 disables it
     save_every: int = 50
     warmup: int = 20
+    # The step the LR schedule (warmup + cosine to ``steps``) starts from: 0, or where a finished run was
+    # extended with more steps (a warm restart: its schedule had already decayed).
+    schedule_from: int = 0
     loss_top_k: int = 16  # soft targets: the target's top-K (of the K collected)
     num_frequent: int = 2048  # always-present negatives of the sampled softmax
     vocab: torch.Tensor | None = None  # softmax over these ids (a head's draft vocabulary) instead
@@ -207,9 +210,10 @@ class DraftModelTask:
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:
+    step -= cfg.schedule_from
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.schedule_from - cfg.warmup)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
@@ -240,6 +244,11 @@ def train(task: HeadTask | DraftModelTask, samples: list[Sample], cfg: TrainConf
         module.load_state_dict(ck["module"])
         opt.load_state_dict(ck["optimizer"])
         start, history = ck["step"], ck["history"]
+        before = ck.get("config", {})
+        if start >= before.get("steps", start) and cfg.steps > start:  # extending a finished run
+            cfg.schedule_from = start
+        else:  # continuing an interrupted run: its schedule
+            cfg.schedule_from = before.get("schedule_from", 0)
     batches = make_batches(samples, cfg.batch_tokens)
     device = next(iter(params)).device
     frequent = frequent_tokens(samples, cfg.num_frequent)
@@ -265,9 +274,9 @@ def train(task: HeadTask | DraftModelTask, samples: list[Sample], cfg: TrainConf
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        history.append({"step": step + 1, "loss": loss.item(), **stats})
+        history.append({"step": step + 1, "loss": loss.item(), **stats, "lr": opt.param_groups[0]["lr"]})
         bar.update(1)
-        bar.set_postfix({k: f"{v:.3f}" for k, v in history[-1].items() if k != "step"})
+        bar.set_postfix({k: f"{v:.3f}" for k, v in history[-1].items() if k not in ("step", "lr")})
         if (step + 1) % cfg.save_every == 0:
             save(step + 1)
     bar.close()
