@@ -22,10 +22,10 @@ import sys
 import time
 from typing import Any
 
+from specserve.bench.workloads import TRAIN_CODE
 from specserve.platform import DEVICE_CHOICES
 
 WORKLOADS = "chat,code,summarize,edit,instructions"
-EXTRA_SOURCES = "stdlib-code"
 
 
 def add_distill_parser(sub: Any) -> None:
@@ -36,7 +36,7 @@ def add_distill_parser(sub: Any) -> None:
                    help="head: EAGLE head (1 layer over target features); model: standalone small Llama")
     d.add_argument("--layers", type=int, default=2, help="--kind model: decoder layers of the draft (1-4)")
     d.add_argument("--dataset", default=WORKLOADS,
-                   help=f"comma-separated sources: workloads ({WORKLOADS}), {EXTRA_SOURCES} (code prompts over "
+                   help=f"comma-separated sources: workloads ({WORKLOADS}), {TRAIN_CODE} (code prompts over "
                         f"stdlib modules the benchmarks never read) and/or files (.txt one prompt per line, "
                         f".json/.jsonl workload format)")
     d.add_argument("--tokens", type=int, default=32000, help="target-sampled tokens to collect")
@@ -128,9 +128,10 @@ def _write_held_out(out: str, dataset: str, held: set[str]) -> list[str]:
     """``DIR/heldout-<workload>.jsonl`` per built-in workload: the prompts training never saw, for
     ``specserve bench offline --dataset DIR/heldout-code.jsonl`` (an honest acceptance measurement)."""
     from specserve.bench.workloads import BUILDERS, load_dataset
+    from specserve.distill.data import sources
 
     written = []
-    for name in [n.strip() for n in dataset.split(",") if n.strip() in BUILDERS]:
+    for name in [n for n in sources(dataset) if n in BUILDERS]:
         items = [it for it in load_dataset(name) if it.id in held]
         if items:
             path = os.path.join(out, f"heldout-{name}.jsonl")
@@ -159,9 +160,9 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
             raise ValueError(f"{path} holds features {samples[0].features.shape[-1]} wide but --feature-layers "
                              f"{args.feature_layers} reads {want}: collect into a new --out")
         print(f"[distill] reusing {len(samples)} samples from {path}", file=sys.stderr)
-    sources = _sources(args.dataset)
-    have = _sources(meta.get("dataset") or args.dataset) if meta.get("complete") else sources
-    added = [s for s in sources if s not in have]
+    wanted = D.sources(args.dataset)
+    have = D.sources(meta.get("dataset") or args.dataset) if meta.get("complete") else wanted
+    added = [s for s in wanted if s not in have]
     train_prompts, held = _prompts(args, llm, ",".join(have))
     if not meta.get("complete", True):  # fresh, or a collection interrupted part-way
 
@@ -190,10 +191,6 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
                                   taps=model.feature_layers)
         D.save_samples(path, samples, {**meta, "text_tokens": args.text_tokens})
     return samples, train_prompts, held
-
-
-def _sources(dataset: str) -> list[str]:
-    return [s.strip() for s in dataset.split(",") if s.strip()]
 
 
 def _prompts(args: argparse.Namespace, llm: Any, dataset: str) -> tuple[list[Any], list[Any]]:

@@ -3,8 +3,8 @@
 Prompts come from the benchmark workloads (``specserve/bench/workloads.py``: code, summarize, chat, edit), a
 built-in list of everyday instructions (``instructions``), ``stdlib-code`` (``code``-style prompts over the
 stdlib modules no benchmark workload reads: more of the code task, none of its prompts), or a user file
-(``.txt``: one raw prompt per line; ``.json``/``.jsonl``: the workload formats). A stable hash of each prompt id holds a fraction out for
-evaluation. The engine samples every training prompt (batched, temperature ~0.8); a feature sink on the
+(``.txt``: one raw prompt per line; ``.json``/``.jsonl``: the workload formats). A stable hash of each
+prompt id holds a fraction out for evaluation. The engine samples every training prompt (batched, temperature ~0.8); a feature sink on the
 worker captures the target's pre-norm last-layer features for every position as they are computed, so the
 target never runs twice. Soft targets are the target's top-K next-token log-probabilities at every position
 of the sampled continuation (computed once from those features, kept in fp16).
@@ -75,12 +75,17 @@ def builtin_instructions() -> list[tuple[str, list[dict[str, str]]]]:
             for i, (tpl, topic) in enumerate((tpl, t) for t in _TOPICS for tpl in _TEMPLATES)]
 
 
+def sources(spec: str) -> list[str]:
+    """``--dataset``'s comma-separated source names, in order."""
+    return [s.strip() for s in spec.split(",") if s.strip()]
+
+
 def load_prompts(spec: str, tokenizer: Any) -> list[Prompt]:
     """Comma-separated workload names (code, summarize, chat, edit, instructions, stdlib-code) and/or files."""
     from specserve.bench.workloads import TRAIN_CODE, build_code_train
 
     out: list[Prompt] = []
-    for name in [s.strip() for s in spec.split(",") if s.strip()]:
+    for name in sources(spec):
         if name == "instructions":
             out += [Prompt(i, tokenizer.apply_chat_template(m)) for i, m in builtin_instructions()]
         elif name == TRAIN_CODE:
