@@ -40,10 +40,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-config", default=None,
                    help='vLLM V1 JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     s.add_argument("--draft-layers", type=int, default=None, help="layer_skip: target layers the draft uses")
-    s.add_argument("--prompt-lookup-min", type=int, default=None)
+    s.add_argument("--prompt-lookup-min", type=int, default=None,
+                   help="shortest repeated suffix prompt lookup drafts from (ngram: 1; --prompt-lookup-first: 3)")
     s.add_argument("--prompt-lookup-max", type=int, default=None)
     s.add_argument("--speculative-adaptive", dest="speculative_adaptive", action="store_true", default=True,
                    help="choose k per step from measured acceptance and cost (default)")
+    s.add_argument("--prompt-lookup-first", action="store_true", default=None,
+                   help="with a draft model, EAGLE head or layer_skip: draft by prompt lookup whenever the context "
+                        "repeats its last --prompt-lookup-min tokens, by the model otherwise")
     s.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false")
 
 
@@ -51,7 +55,7 @@ ENGINE_KEYS = ("dtype", "device", "max_model_len", "block_size", "kv_cache_memor
                "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching", "max_num_batched_tokens",
                "max_num_seqs", "speculative_model", "num_speculative_tokens", "speculative_method",
                "speculative_config", "draft_layers", "prompt_lookup_min", "prompt_lookup_max",
-               "speculative_adaptive")
+               "speculative_adaptive", "prompt_lookup_first")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

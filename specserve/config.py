@@ -108,6 +108,7 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("draft", "ngram", "layer_skip", "eagle")
+LOOKUP_FIRST_MIN_N = 3  # --prompt-lookup-first: the shortest repeated suffix that lets lookup draft
 
 
 @dataclass(frozen=True)
@@ -115,12 +116,17 @@ class SpeculativeConfig:
     method: str | None = None  # None = speculation off
     model: str | None = None
     num_speculative_tokens: int = 0
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int | None = None  # None: 1 for ngram, LOOKUP_FIRST_MIN_N with prompt_lookup_first
     prompt_lookup_max: int = 4
     draft_layers: int | None = None  # layer_skip: how many target layers the draft uses
     adaptive: bool = True
+    # A model proposer (draft, eagle, layer_skip) that lets prompt lookup draft whenever the context repeats
+    # its last prompt_lookup_min tokens (spec/lookup_first.py).
+    prompt_lookup_first: bool = False
 
     def __post_init__(self) -> None:
+        if self.prompt_lookup_min is None:
+            object.__setattr__(self, "prompt_lookup_min", LOOKUP_FIRST_MIN_N if self.prompt_lookup_first else 1)
         if self.method is None:
             return
         if self.method not in SPEC_METHODS:
@@ -129,8 +135,11 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be >= 1 when speculation is on")
         if self.method in ("draft", "eagle") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs a speculative model")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:  # type: ignore[operator]
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.prompt_lookup_first and self.method == "ngram":
+            raise ValueError("prompt_lookup_first needs a model proposer (draft, eagle or layer_skip), "
+                             "not ngram")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError("draft_layers must be >= 1")
 
@@ -148,6 +157,7 @@ class SpeculativeConfig:
         prompt_lookup_min: int | None = None,
         prompt_lookup_max: int | None = None,
         speculative_adaptive: bool = True,
+        prompt_lookup_first: bool | None = None,
     ) -> SpeculativeConfig:
         """Merge vLLM V0-style flags and a V1-style ``--speculative-config`` JSON into one config."""
         cfg: dict[str, Any] = {}
@@ -162,7 +172,7 @@ class SpeculativeConfig:
             if not isinstance(cfg, dict):
                 raise ValueError("--speculative-config must be a JSON object")
             known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
-                     "prompt_lookup_max", "draft_layers", "adaptive"}
+                     "prompt_lookup_max", "draft_layers", "adaptive", "prompt_lookup_first"}
             unknown = set(cfg) - known
             if unknown:
                 raise ValueError(f"unknown --speculative-config keys: {sorted(unknown)}")
@@ -179,16 +189,18 @@ class SpeculativeConfig:
             return SpeculativeConfig()
         if k is None:
             k = 5 if method == "ngram" else 4
-        lookup_min = prompt_lookup_min if prompt_lookup_min is not None else cfg.get("prompt_lookup_min", 1)
+        lookup_min = prompt_lookup_min if prompt_lookup_min is not None else cfg.get("prompt_lookup_min")
         lookup_max = prompt_lookup_max if prompt_lookup_max is not None else cfg.get("prompt_lookup_max", 4)
         return SpeculativeConfig(
             method=method,
             model=model,
             num_speculative_tokens=int(k),
-            prompt_lookup_min=int(lookup_min),
+            prompt_lookup_min=None if lookup_min is None else int(lookup_min),
             prompt_lookup_max=int(lookup_max),
             draft_layers=draft_layers if draft_layers is not None else cfg.get("draft_layers"),
             adaptive=bool(cfg.get("adaptive", speculative_adaptive)),
+            prompt_lookup_first=bool(prompt_lookup_first if prompt_lookup_first is not None
+                                     else cfg.get("prompt_lookup_first", False)),
         )
 
 
@@ -228,6 +240,7 @@ class EngineConfig:
             prompt_lookup_min=kw.pop("prompt_lookup_min", None),
             prompt_lookup_max=kw.pop("prompt_lookup_max", None),
             speculative_adaptive=kw.pop("speculative_adaptive", True),
+            prompt_lookup_first=kw.pop("prompt_lookup_first", None),
         )
         if kw:
             raise TypeError(f"unknown engine arguments: {sorted(kw)}")

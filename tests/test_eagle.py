@@ -196,12 +196,17 @@ def _dense_logits(model: LlamaModel, head: EagleHead, tokens: list[int], drafts:
     return out
 
 
-@pytest.mark.parametrize("kind", ["head", "head_multi"])
-def test_engine_drafts_match_dense_forward(tiny, kind):
-    """Every draft (k = 3) of every proposal, with prefill chunks (token budget 24) and batch 4."""
+@pytest.mark.parametrize("kind,lookup_first", [("head", False), ("head_multi", False), ("head", True)])
+def test_engine_drafts_match_dense_forward(tiny, kind, lookup_first):
+    """Every draft (k = 3) of every proposal, with prefill chunks (token budget 24) and batch 4. With
+    --prompt-lookup-first the head skips the steps lookup drafts and catches up later: its drafts must still
+    equal the dense forward, i.e. the features of the skipped steps reached it in place."""
     llm = LLM(tiny["target"], speculative_method="eagle", speculative_model=tiny[kind], num_speculative_tokens=3,
-              speculative_adaptive=False, max_num_seqs=4, max_num_batched_tokens=24, **ENGINE)
+              speculative_adaptive=False, max_num_seqs=4, max_num_batched_tokens=24, prompt_lookup_first=lookup_first,
+              prompt_lookup_min=1, **ENGINE)
     proposer = llm.engine.runner.proposer
+    if lookup_first:
+        proposer = proposer.model
     seen: list[tuple[list[int], list[int]]] = []
     original = proposer.propose
 
@@ -225,6 +230,21 @@ def test_engine_drafts_match_dense_forward(tiny, kind):
                     mismatches += 1
     print(f"[eagle dense check] {len(seen)} proposals, near-ties accepted: {near_ties}")
     assert mismatches == 0
+    if lookup_first:
+        both = llm.engine.runner.proposer
+        assert both.num_lookup > 10 and both.num_model > 10, (both.num_lookup, both.num_model)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equal_with_lookup_first(tiny, reference, batch):
+    llm = LLM(tiny["target"], speculative_method="eagle", speculative_model=tiny["head"], num_speculative_tokens=3,
+              speculative_adaptive=False, max_num_seqs=batch, prompt_lookup_first=True, prompt_lookup_min=2,
+              **ENGINE)
+    assert _greedy(llm) == reference
+    proposer = llm.engine.runner.proposer
+    assert proposer.num_lookup > 0 and proposer.num_model > 0
+    spec = llm.get_metrics()["speculative"]
+    assert 0 < spec["accepted_tokens"] < spec["draft_tokens"], spec
 
 
 def test_mismatched_head_is_refused(tiny, tmp_path):

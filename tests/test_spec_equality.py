@@ -33,7 +33,7 @@ from specserve.sample.sampler import RequestSamplingState, process_logits
 from specserve.spec.controller import SpecController
 from tests.helpers import tiny_hf_model, write_char_tokenizer
 
-METHODS = ("ngram", "layer_skip", "draft")
+METHODS = ("ngram", "layer_skip", "draft", "draft+lookup")
 K_VALUES = (1, 3, 5, 8)
 MAX_TOKENS = 32
 NEAR_TIE = 1e-4
@@ -167,8 +167,10 @@ def engine_args(bs: int, method: str | None, k: int, paths: Tiny, num_blocks: in
         args.update(speculative_method=method, num_speculative_tokens=k, speculative_adaptive=False)
         if method == "layer_skip":
             args["draft_layers"] = 1
-        if method == "draft":
-            args["speculative_model"] = paths.draft
+        if method in ("draft", "draft+lookup"):
+            args.update(speculative_method="draft", speculative_model=paths.draft)
+        if method == "draft+lookup":  # --prompt-lookup-first: lookup where the history repeats, the draft elsewhere
+            args.update(prompt_lookup_first=True, prompt_lookup_min=1)
     return args
 
 
@@ -298,7 +300,7 @@ class ChaosController(SpecController):
         self.rng = random.Random(seed)
         self.seen: set[int] = set()
 
-    def choose_ks(self, req_ids: list[str], other_tokens: int = 0) -> list[int]:
+    def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[str] | None = None) -> list[int]:
         ks = [self.rng.randint(0, self.max_k) for _ in req_ids]
         self.seen.add(len(set(ks)))
         return ks

@@ -203,6 +203,25 @@ def test_bursty_acceptance_drafts_deeper_than_iid():
     assert c.choose_ks(["r"]) == [5]
 
 
+def test_sources_keep_their_own_acceptance_and_lookup_drafts_are_free():
+    """--prompt-lookup-first: one request drafts from prompt lookup on some steps and from the model on others.
+    Each source has its own acceptance; lookup drafts cost verification tokens but no draft-model step."""
+    c = SpecController(max_k=5, explore_every=10**6)
+    for n in range(1, 12):
+        c.record_target(n, 0.010 + 0.0004 * (n - 1))  # verification cost nearly flat in tokens
+    c.record_draft(1, 0.004)  # one model draft step: 40% of a target step
+    for _ in range(30):
+        c.record_acceptance("r", 5, 5, "lookup")  # a long match survives all five drafts
+        c.record_acceptance("r", 5, 1, "model")  # the model's second draft keeps failing
+    assert c.rates("r", "lookup")[0] > 0.9 and c.rates("r", "model")[1] < 0.2
+    assert c.rates("r") == c.global_rates  # the default source saw nothing
+    assert c.choose_ks(["r"], sources=["lookup"]) == [5]
+    assert c.choose_ks(["r"], sources=["model"]) == [1]
+    assert c.choose_ks(["r", "r"], sources=["lookup", "model"]) == [5, 1]
+    c.drop("r")
+    assert c.rates("r", "lookup") == c._global_of("lookup")
+
+
 def test_per_request_k_in_one_batch():
     """One request whose drafts are always accepted, one whose drafts never are: only the first drafts."""
     c = SpecController(max_k=4)

@@ -96,8 +96,16 @@ class _Acceptance:
             self.tried[j] = decay * self.tried[j] + 1.0
 
 
+FREE_SOURCE = "lookup"  # drafts of this source cost no draft-model step (prompt lookup inside a hybrid)
+
+
 class SpecController:
-    """Per-position acceptance per request + measured costs -> each request's k for this step."""
+    """Per-position acceptance per request + measured costs -> each request's k for this step.
+
+    A request can draft from several *sources* (``--prompt-lookup-first``: prompt lookup or the model
+    proposer, decided per step before k is chosen). Acceptance is tracked per (request, source), with one
+    global prior per source, and drafts of ``FREE_SOURCE`` add verification tokens but no draft steps.
+    """
 
     def __init__(self, max_k: int, adaptive: bool = True, prior_alpha: float = 0.6,
                  explore_every: int = 16, prior_weight: float = 2.0, min_gain: float = 0.03) -> None:
@@ -108,29 +116,42 @@ class SpecController:
         self.min_gain = min_gain
         self.explore_every = explore_every
         self.prior_weight = prior_weight  # pseudo-observations of the global rate in a request's estimate
+        self.prior_alpha = prior_alpha
         self.target_cost = StepCost()
         self.draft_cost = StepCost()
-        self._acc: dict[str, _Acceptance] = {}
+        self._acc: dict[str, dict[str, _Acceptance]] = {}  # req_id -> source -> counts
         self._step = 0
         self._since_explore = 0
         self._explore_gap = explore_every
-        # Conditional acceptance per position over all recent passes: the prior of every request's estimate
-        # (a new request starts from it).
-        self.global_rates = [prior_alpha] * max(1, max_k)
+        # Conditional acceptance per position over all recent passes, per source: the prior of every
+        # request's estimate (a new request starts from it).
+        self._global: dict[str, list[float]] = {"": [prior_alpha] * max(1, max_k)}
         self.last_k = max_k  # the largest k of the last step (the `spec_decode_k` gauge)
 
+    @property
+    def global_rates(self) -> list[float]:
+        return self._global_of("")
+
+    def _global_of(self, source: str) -> list[float]:
+        g = self._global.get(source)
+        if g is None:
+            g = self._global[source] = [self.prior_alpha] * max(1, self.max_k)
+        return g
+
     # -- measurements ---------------------------------------------------------------------------------------
-    def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int) -> None:
+    def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int, source: str = "") -> None:
         """One verification pass: num_accepted of num_draft drafts accepted (it stops at the first rejection)."""
         if num_draft <= 0:
             return
-        k = len(self.global_rates)
-        acc = self._acc.get(req_id)
+        g = self._global_of(source)
+        k = len(g)
+        per = self._acc.setdefault(req_id, {})
+        acc = per.get(source)
         if acc is None:
-            acc = self._acc[req_id] = _Acceptance(k)
+            acc = per[source] = _Acceptance(k)
         acc.observe(num_draft, num_accepted, decay=0.8)
         for j in range(min(num_draft, num_accepted + 1, k)):
-            self.global_rates[j] = 0.95 * self.global_rates[j] + 0.05 * (1.0 if j < num_accepted else 0.0)
+            g[j] = 0.95 * g[j] + 0.05 * (1.0 if j < num_accepted else 0.0)
 
     def record_target(self, num_tokens: int, seconds: float) -> None:
         self.target_cost.add(num_tokens, seconds)
@@ -141,21 +162,22 @@ class SpecController:
     def drop(self, req_id: str) -> None:
         self._acc.pop(req_id, None)
 
-    def rates(self, req_id: str) -> list[float]:
+    def rates(self, req_id: str, source: str = "") -> list[float]:
         """Conditional acceptance c_1..c_K of a request: its decayed counts over the global prior."""
-        acc, w = self._acc.get(req_id), self.prior_weight
+        g, w = self._global_of(source), self.prior_weight
+        acc = self._acc.get(req_id, {}).get(source)
         if acc is None:
-            return list(self.global_rates)
-        return [(a + w * g) / (t + w) for a, t, g in zip(acc.acc, acc.tried, self.global_rates)]
+            return list(g)
+        return [(a + w * p) / (t + w) for a, t, p in zip(acc.acc, acc.tried, g)]
 
-    def alpha(self, req_id: str) -> float:
+    def alpha(self, req_id: str, source: str = "") -> float:
         """The first draft's acceptance probability (c_1)."""
-        return self.rates(req_id)[0]
+        return self.rates(req_id, source)[0]
 
-    def gains(self, req_id: str) -> list[float]:
+    def gains(self, req_id: str, source: str = "") -> list[float]:
         """m_j = c_1 ... c_j: expected tokens draft j adds (non-increasing in j)."""
         out, m = [], 1.0
-        for c in self.rates(req_id)[:self.max_k]:
+        for c in self.rates(req_id, source)[:self.max_k]:
             m *= c
             out.append(m)
         return out
@@ -165,20 +187,22 @@ class SpecController:
         """The largest k of this step (see ``choose_ks``)."""
         return max(self.choose_ks(req_ids, other_tokens), default=0)
 
-    def choose_ks(self, req_ids: list[str], other_tokens: int = 0) -> list[int]:
+    def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[str] | None = None) -> list[int]:
         """k per request for the next step of these decoding requests; ``other_tokens`` are prefill tokens
-        sharing the step."""
+        sharing the step; ``sources[i]`` is where request i's drafts come from this step (default: one)."""
         if not req_ids:
             return []
         if not self.adaptive:
             self.last_k = self.max_k
             return [self.max_k] * len(req_ids)
+        srcs = sources if sources is not None else [""] * len(req_ids)
         self._step += 1
-        if self.target_cost.distinct() < 2 or (self.draft_cost.distinct() == 0 and self.max_k):
+        if self.target_cost.distinct() < 2 or (self.draft_cost.distinct() == 0 and self.max_k
+                                               and any(s != FREE_SOURCE for s in srcs)):
             # The cost slope (or the draft's cost) is unknown: measure the other extreme.
             ks = [0 if self.last_k else self.max_k] * len(req_ids)
         else:
-            ks = self._best(req_ids, other_tokens)
+            ks = self._best(req_ids, srcs, other_tokens)
             self._since_explore += 1
             if self._since_explore >= self._explore_gap:  # keep the estimates honest around the optimum
                 self._since_explore = 0
@@ -192,19 +216,22 @@ class SpecController:
         self.last_k = max(ks)
         return ks
 
-    def _best(self, req_ids: list[str], other: int) -> list[int]:
+    def _best(self, req_ids: list[str], sources: list[str], other: int) -> list[int]:
         """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s."""
         b = len(req_ids)
-        pairs = sorted(((m, i) for i, r in enumerate(req_ids) for m in self.gains(r)), key=lambda x: -x[0])
+        pairs = sorted(((m, i) for i, (r, s) in enumerate(zip(req_ids, sources)) for m in self.gains(r, s)),
+                       key=lambda x: -x[0])
+        free = [s == FREE_SOURCE for s in sources]
         ks = [0] * b
         best_n, best_rate = 0, self._rate(b, other, 0, float(b), 0, 0) * (1.0 + self.min_gain)
         tokens, k_max, drafting = float(b), 0, 0
         for n, (m, i) in enumerate(pairs, start=1):
             if m <= 0.0:
                 break
-            drafting += ks[i] == 0
+            if not free[i]:
+                drafting += ks[i] == 0
+                k_max = max(k_max, ks[i] + 1)
             ks[i] += 1
-            k_max = max(k_max, ks[i])
             tokens += m
             rate = self._rate(b, other, n, tokens, k_max, drafting)
             if rate > best_rate * 1.0001:

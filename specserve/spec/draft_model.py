@@ -36,6 +36,9 @@ class DraftModelProposer:
         self._fed.pop(req_id, None)
         self.sampler.drop(req_id)
 
+    def source(self, req_id: str, token_ids: list[int], max_k: int) -> str:
+        return ""
+
     def _valid_prefix(self, r: ProposeRequest) -> int:
         """Positions below this hold draft KV of the request's actual tokens."""
         if self.shares_target_kv:

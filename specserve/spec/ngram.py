@@ -38,3 +38,6 @@ class NgramProposer:
 
     def drop(self, req_id: str) -> None:
         pass
+
+    def source(self, req_id: str, token_ids: list[int], max_k: int) -> str:
+        return ""

@@ -23,9 +23,10 @@ from specserve.model.loader import Checkpoint, load_checkpoint
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import Platform, resolve_dtype, to_device
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
-from specserve.spec.controller import SpecController
+from specserve.spec.controller import FREE_SOURCE, SpecController
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.eagle import EagleProposer
+from specserve.spec.lookup_first import LookupFirstProposer
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.proposer import Proposer, ProposeRequest
 from specserve.spec.rejection import verify
@@ -46,6 +47,7 @@ class CachedRequest:
     max_tokens: int
     spec_enabled: bool
     draft_probs: torch.Tensor | None = None  # [k, V] q of the drafts proposed last step (None: one-hot)
+    draft_source: str = ""  # which of the proposer's sources drafted them (the controller's acceptance key)
     features: FeatureBuffer = field(default_factory=FeatureBuffer)  # EAGLE: target features to hand over
 
 
@@ -161,8 +163,16 @@ class ModelRunner:
 
     def _make_proposer(self) -> Proposer:
         spec = self.config.speculative
+        assert spec.prompt_lookup_min is not None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        model = self._make_model_proposer()
+        if spec.prompt_lookup_first:
+            return LookupFirstProposer(model, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return model
+
+    def _make_model_proposer(self) -> Proposer:
+        spec = self.config.speculative
         if spec.method == "draft":
             assert isinstance(self.draft_model, LlamaModel)
             return DraftModelProposer(self._timed(self._draft_step(self.draft_model, self.draft_kv_caches, None)),
@@ -252,7 +262,7 @@ class ModelRunner:
             c.token_ids.extend(em)
             c.draft_probs = None
             if self.controller is not None:
-                self.controller.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1)
+                self.controller.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1, c.draft_source)
         sampled = {r.req_id: em for r, em in zip(sample_rows, emitted)}
         if sink is not None and prenorm is not None:
             sink_features(rows, sampled, prenorm, sink)
@@ -321,28 +331,33 @@ class ModelRunner:
         if self.proposer is None or self.controller is None:
             return {}
         cands = [(r, em) for r, em in zip(rows, emitted) if self.requests[r.req_id].spec_enabled]
-        ks = self.controller.choose_ks([r.req_id for r, _ in cands])
-        reqs = []
-        for (r, em), k in zip(cands, ks):
+        max_k = self.controller.max_k
+        sources = [self.proposer.source(r.req_id, self.requests[r.req_id].token_ids, max_k) for r, _ in cands]
+        ks = self.controller.choose_ks([r.req_id for r, _ in cands], sources=sources)
+        reqs, req_sources = [], []
+        for (r, em), k, source in zip(cands, ks, sources):
             c = self.requests[r.req_id]
             cap = min(k, c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
             if cap >= 1:
                 valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
                 reqs.append(ProposeRequest(r.req_id, c.token_ids, valid, cap, r.block_ids, c.state,
                                            c.features.take()))
+                req_sources.append(source)
         if not reqs:
             return {}
         t0, captures = time.perf_counter(), self._num_captures()
         self._draft_calls = []
         drafts = self.proposer.propose(reqs)
-        step_cost = self._draft_step_cost(time.perf_counter() - t0, max(pr.k for pr in reqs))
-        if self._num_captures() == captures:  # a step that captured a graph is no cost sample
-            self.controller.record_draft(len(reqs), step_cost)
+        stepped = [pr.k for pr, s in zip(reqs, req_sources) if s != FREE_SOURCE]  # drafts that cost model steps
+        step_cost = self._draft_step_cost(time.perf_counter() - t0, max(stepped, default=1))
+        if stepped and self._num_captures() == captures:  # a step that captured a graph is no cost sample
+            self.controller.record_draft(len(stepped), step_cost)
         out = {}
-        for pr, d in zip(reqs, drafts):
+        for pr, d, source in zip(reqs, drafts, req_sources):
             if d.token_ids:
                 out[pr.req_id] = d.token_ids
                 self.requests[pr.req_id].draft_probs = d.probs
+                self.requests[pr.req_id].draft_source = source
         return out
 
 

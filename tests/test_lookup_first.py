@@ -1,0 +1,88 @@
+"""--prompt-lookup-first (spec/lookup_first.py): routing between prompt lookup and the model proposer, and the
+target features of lookup-drafted steps reaching the model proposer later, in order. Engine exactness with
+it is in test_eagle.py (greedy equality, drafts equal to the dense forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.sample.sampler import RequestSamplingState
+from specserve.sampling_params import SamplingParams
+from specserve.spec.lookup_first import LookupFirstProposer, join_features
+from specserve.spec.proposer import Draft, ProposeRequest
+
+
+class FakeModel:
+    writes_kv = True
+
+    def __init__(self) -> None:
+        self.calls: list[list[ProposeRequest]] = []
+        self.dropped: list[str] = []
+
+    def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
+        self.calls.append(reqs)
+        return [Draft([7] * r.k) for r in reqs]
+
+    def drop(self, req_id: str) -> None:
+        self.dropped.append(req_id)
+
+
+def _req(rid: str, tokens: list[int], feats: tuple[int, torch.Tensor] | None, k: int = 3) -> ProposeRequest:
+    state = RequestSamplingState.create(SamplingParams(temperature=0), tokens[:1], torch.device("cpu"))
+    return ProposeRequest(rid, tokens, len(tokens) - 1, k, (0,), state, feats)
+
+
+def _feats(first: int, n: int) -> tuple[int, torch.Tensor]:
+    return first, torch.arange(first, first + n, dtype=torch.float32)[:, None].expand(n, 2).clone()
+
+
+def test_routes_repeats_to_lookup_and_the_rest_to_the_model():
+    model = FakeModel()
+    p = LookupFirstProposer(model, min_n=3, max_n=4)
+    repeat = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # "1 2 3" occurred before: lookup drafts "4 5 6"
+    fresh = [1, 2, 3, 4, 5, 6, 9, 2, 3]  # only "2 3" repeats: shorter than min_n
+    drafts = p.propose([_req("a", repeat, _feats(0, 8)), _req("b", fresh, _feats(0, 8))])
+    assert drafts[0].token_ids == [4, 5, 6] and drafts[0].probs is None
+    assert drafts[1].token_ids == [7, 7, 7]
+    assert [r.req_id for r in model.calls[0]] == ["b"]
+    assert (p.num_lookup, p.num_model) == (1, 1)
+
+
+def test_features_of_lookup_steps_reach_the_model_in_order():
+    model = FakeModel()
+    p = LookupFirstProposer(model, min_n=3, max_n=4)
+    p.propose([_req("a", [1, 2, 3, 4, 1, 2, 3], _feats(0, 6))])  # lookup; features 0..5 kept
+    p.propose([_req("a", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], _feats(6, 4))])  # lookup again; 6..9 kept
+    assert not model.calls
+    p.propose([_req("a", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 9, 8], _feats(10, 2))])  # no repeat: the model
+    (r,), = model.calls
+    first, f = r.features
+    assert first == 0 and f[:, 0].tolist() == list(range(12))
+    p.propose([_req("a", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 9, 8, 5, 6], _feats(12, 2))])
+    assert model.calls[1][0].features[0] == 12  # nothing pending any more
+
+
+def test_a_restart_replaces_pending_features_and_drop_forgets():
+    old, new = _feats(0, 4), _feats(9, 2)
+    assert join_features(old, new) is new  # not contiguous (preemption, prefix hit): the newer wins
+    assert join_features(old, None) is old and join_features(None, new) is new
+    model = FakeModel()
+    p = LookupFirstProposer(model, min_n=3, max_n=4)
+    p.propose([_req("a", [1, 2, 3, 4, 1, 2, 3], _feats(0, 6))])
+    p.drop("a")
+    assert model.dropped == ["a"]
+    p.propose([_req("a", [5, 6, 7, 8], _feats(0, 3))])
+    assert model.calls[0][0].features[1].shape[0] == 3
+
+
+def test_config():
+    cfg = SpeculativeConfig.from_args(speculative_method="eagle", speculative_model="x", prompt_lookup_first=True)
+    assert cfg.prompt_lookup_first and cfg.prompt_lookup_min == 3
+    assert SpeculativeConfig.from_args(speculative_method="ngram").prompt_lookup_min == 1
+    cfg = SpeculativeConfig.from_args(speculative_config='{"method": "layer_skip", "prompt_lookup_first": true, '
+                                                         '"prompt_lookup_min": 2}')
+    assert cfg.prompt_lookup_first and cfg.prompt_lookup_min == 2
+    with pytest.raises(ValueError, match="needs a model proposer"):
+        SpeculativeConfig.from_args(speculative_method="ngram", prompt_lookup_first=True)
