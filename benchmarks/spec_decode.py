@@ -46,11 +46,11 @@ def methods(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     if args.eagle:
         out.append((f"eagle k={args.eagle_k}", {"speculative_method": "eagle", "speculative_model": args.eagle,
                                                 "num_speculative_tokens": args.eagle_k}))
-        lookup_k = args.lookup_k or args.eagle_k
-        out.append((f"eagle+lookup k={lookup_k}",
-                    {"speculative_method": "eagle", "speculative_model": args.eagle,
-                     "num_speculative_tokens": lookup_k, "prompt_lookup_first": True,
-                     "prompt_lookup_min": args.lookup_min}))
+        for lookup_k in [int(k) for k in args.lookup_k.split(",")] if args.lookup_k else [args.eagle_k]:
+            out.append((f"eagle+lookup k={lookup_k}",
+                        {"speculative_method": "eagle", "speculative_model": args.eagle,
+                         "num_speculative_tokens": lookup_k, "prompt_lookup_first": True,
+                         "prompt_lookup_min": args.lookup_min}))
     wanted = args.methods.split(",") if args.methods else None
     return [(n, kw) for n, kw in out if wanted is None or n.split()[0] in wanted]
 
@@ -64,7 +64,7 @@ def main() -> int:
     ap.add_argument("--eagle-k", type=int, default=3)
     ap.add_argument("--lookup-min", type=int, default=None,
                     help="eagle+lookup: shortest repeated suffix that lets prompt lookup draft (default: the engine's)")
-    ap.add_argument("--lookup-k", type=int, default=None, help="eagle+lookup: k (default: --eagle-k)")
+    ap.add_argument("--lookup-k", default=None, help="eagle+lookup: k, or several comma-separated (default: --eagle-k)")
     ap.add_argument("--methods", default=None, help="subset, e.g. ngram,layer_skip")
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (the engine's --dtype)")
     ap.add_argument("--datasets", "--dataset", dest="datasets", default="edit",

@@ -550,7 +550,7 @@ def test_eos_inside_accepted_run(tiny, stop_setup, tmp_path):
 
 
 # -- sampling: a seeded request is reproducible alone and inside a batch -----------------------------------------
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft+lookup"])
 def test_seeded_sampling_alone_equals_in_batch(tiny, method):
     paths = tiny["llama"]
     llm = LLM(paths.target, **engine_args(8, method, 3, paths))
@@ -625,14 +625,16 @@ SHIPPED_HEAD = os.path.join(os.path.dirname(__file__), os.pardir, "specserve", "
 
 @pytest.mark.slow
 @needs_bf16
-@pytest.mark.parametrize("method", ["ngram", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle+lookup"])
 def test_demo_model_bf16_bit_exact(method):
-    """The demo model in bf16 (the CPU default where the hardware has bf16), n-gram k = 5 and the shipped EAGLE
-    head k = 3, batch 8 and batch 1: speculative output equals plain output token for token (no near-tie rule)."""
+    """The demo model in bf16 (the CPU default where the hardware has bf16), n-gram k = 5, the shipped EAGLE
+    head k = 3 and the head with --prompt-lookup-first k = 5, batch 8 and batch 1: speculative output equals
+    plain output token for token (no near-tie rule)."""
     params = SamplingParams(temperature=0, max_tokens=24)
-    kw: dict[str, Any] = {"speculative_method": method, "num_speculative_tokens": 5 if method == "ngram" else 3}
-    if method == "eagle":
-        kw["speculative_model"] = SHIPPED_HEAD
+    kw: dict[str, Any] = {"speculative_method": method, "num_speculative_tokens": 3 if method == "eagle" else 5}
+    if method.startswith("eagle"):
+        kw.update(speculative_method="eagle", speculative_model=SHIPPED_HEAD,
+                  prompt_lookup_first=method == "eagle+lookup")
     llm = LLM(None, num_blocks=256, max_num_seqs=8, dtype="bfloat16", device="cpu", speculative_adaptive=False, **kw)
     tok = llm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in DEMO_CHATS] + [tok.encode(DEMO_CODE)]
@@ -644,3 +646,6 @@ def test_demo_model_bf16_bit_exact(method):
     for p in prompts[2:4]:  # batch 1
         assert gen([p], True) == gen([p], False)
     assert_speculated(llm.get_metrics())
+    if method == "eagle+lookup":  # both sources drafted ("Repeat exactly" repeats; the rest mostly not)
+        proposer = llm.engine.runner.proposer
+        assert proposer.num_lookup > 0 and proposer.num_model > 0, (proposer.num_lookup, proposer.num_model)
