@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specserve-installed
 PORT   ?= 8000
-SERVE_ARGS ?= --speculative-model specserve/data/drafts/smollm2-135m-eagle --num-speculative-tokens 3
+SERVE_ARGS ?= --speculative-model specserve/data/drafts/smollm2-135m-eagle --num-speculative-tokens 5 --prompt-lookup-first
 
 .PHONY: install serve test test-fast lint bench clean
 
