@@ -243,6 +243,11 @@ def test_greedy_equal_with_lookup_first(tiny, reference, batch):
     assert _greedy(llm) == reference
     proposer = llm.engine.runner.proposer
     assert proposer.num_lookup > 0 and proposer.num_model > 0
+    # the controller heard each verification under the source that drafted it, and counted model steps only
+    controller = llm.engine.runner.controller
+    assert all(controller._global_of(s) != [controller.prior_alpha] * 3 for s in ("lookup", "model"))
+    assert controller.global_rates == [controller.prior_alpha] * 3  # the default source drafted nothing
+    assert controller.draft_cost.distinct() > 0
     spec = llm.get_metrics()["speculative"]
     assert 0 < spec["accepted_tokens"] < spec["draft_tokens"], spec
 
