@@ -1,6 +1,7 @@
 """--prompt-lookup-first (spec/lookup_first.py): routing between prompt lookup and the model proposer, and the
-target features of lookup-drafted steps reaching the model proposer later, in order. Engine exactness with
-it is in test_eagle.py (greedy equality, drafts equal to the dense forward)."""
+target features of lookup-drafted steps reaching the model proposer later, in order (the worker's
+FeatureBuffer). Engine exactness with it is in test_eagle.py (greedy equality, drafts equal to the dense
+forward)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.sample.sampler import RequestSamplingState
 from specserve.sampling_params import SamplingParams
-from specserve.spec.lookup_first import LookupFirstProposer, join_features
+from specserve.spec.lookup_first import LookupFirstProposer
 from specserve.spec.proposer import Draft, ProposeRequest
+from specserve.worker.features import FeatureBuffer
 
 
 class FakeModel:
@@ -50,31 +52,28 @@ def test_routes_repeats_to_lookup_and_the_rest_to_the_model():
     assert (p.num_lookup, p.num_model) == (1, 1)
 
 
-def test_features_of_lookup_steps_reach_the_model_in_order():
-    model = FakeModel()
-    p = LookupFirstProposer(model, min_n=3, max_n=4)
-    p.propose([_req("a", [1, 2, 3, 4, 1, 2, 3], _feats(0, 6))])  # lookup; features 0..5 kept
-    p.propose([_req("a", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], _feats(6, 4))])  # lookup again; 6..9 kept
-    assert not model.calls
-    p.propose([_req("a", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 9, 8], _feats(10, 2))])  # no repeat: the model
-    (r,), = model.calls
-    first, f = r.features
+def test_features_of_lookup_steps_stay_buffered_for_the_model_in_order():
+    """The worker takes a request's features only for a model proposal: the chunks of lookup-drafted steps
+    stay in its FeatureBuffer and reach the model together, in order; a restart keeps only the newer."""
+    buf = FeatureBuffer()
+    for first, n in ((0, 6), (6, 4), (10, 2)):  # two lookup steps, then the model's
+        buf.add(*_feats(first, n))
+    first, f = buf.take()
     assert first == 0 and f[:, 0].tolist() == list(range(12))
-    p.propose([_req("a", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 9, 8, 5, 6], _feats(12, 2))])
-    assert model.calls[1][0].features[0] == 12  # nothing pending any more
+    buf.add(*_feats(12, 2))
+    assert buf.take()[0] == 12  # nothing older left
+    buf.add(*_feats(14, 4))
+    buf.add(*_feats(30, 2))  # not contiguous (preemption, prefix hit): the newer wins
+    first, f = buf.take()
+    assert first == 30 and f.shape[0] == 2
 
 
-def test_a_restart_replaces_pending_features_and_drop_forgets():
-    old, new = _feats(0, 4), _feats(9, 2)
-    assert join_features(old, new) is new  # not contiguous (preemption, prefix hit): the newer wins
-    assert join_features(old, None) is old and join_features(None, new) is new
+def test_drop_forgets_and_reaches_the_model():
     model = FakeModel()
     p = LookupFirstProposer(model, min_n=3, max_n=4)
-    p.propose([_req("a", [1, 2, 3, 4, 1, 2, 3], _feats(0, 6))])
+    assert p.source("a", [1, 2, 3, 4, 1, 2, 3], 3) == "lookup"
     p.drop("a")
-    assert model.dropped == ["a"]
-    p.propose([_req("a", [5, 6, 7, 8], _feats(0, 3))])
-    assert model.calls[0][0].features[1].shape[0] == 3
+    assert model.dropped == ["a"] and not p._routed
 
 
 def test_config():

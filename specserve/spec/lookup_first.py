@@ -8,32 +8,18 @@ the model proposer.
 
 The model proposer catches up lazily: a request drafted by lookup is simply not passed to it, and its next
 proposal feeds every token since its last one (both model proposers already catch up from their own valid
-prefix). EAGLE also needs the target's features for those positions; the worker hands them over once per
-step, so the ones of lookup-drafted steps are kept here and prepended to the next hand-over.
+prefix). EAGLE also needs the target's features for those positions: the worker keeps a request's features
+in its buffer while its drafts come from lookup (``source`` is asked first) and hands them all over with the
+next model proposal.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
-import torch
 
 from specserve.spec.controller import FREE_SOURCE
 from specserve.spec.ngram import lookup
 from specserve.spec.proposer import Draft, Proposer, ProposeRequest
-
-Features = tuple[int, torch.Tensor]
-
-
-def join_features(old: Features | None, new: Features | None) -> Features | None:
-    """``old`` followed by ``new`` when they are contiguous; otherwise the newer (a restart: preemption, a
-    prefix-cache hit), which is what the worker's own feature buffer keeps too."""
-    if old is None or new is None:
-        return new if new is not None else old
-    if new[0] != old[0] + old[1].shape[0]:
-        return new
-    return old[0], torch.cat([old[1], new[1]])
 
 
 class LookupFirstProposer:
@@ -41,13 +27,11 @@ class LookupFirstProposer:
         self.model = model
         self.writes_kv = model.writes_kv
         self.min_n, self.max_n = min_n, max_n
-        self._pending: dict[str, Features] = {}  # req_id -> target features the model proposer has not seen
         self._routed: dict[str, tuple[int, int, list[int]]] = {}  # req_id -> (history length, k, lookup drafts)
         self.num_lookup = 0  # proposals (request-steps) drafted by lookup / by the model proposer
         self.num_model = 0
 
     def drop(self, req_id: str) -> None:
-        self._pending.pop(req_id, None)
         self._routed.pop(req_id, None)
         self.model.drop(req_id)
 
@@ -68,14 +52,9 @@ class LookupFirstProposer:
         rest: list[ProposeRequest] = []
         for r in reqs:
             toks = self._lookup(r.req_id, r.token_ids, r.k)
-            if toks:
-                out.append(Draft(toks))
-                feats = join_features(self._pending.get(r.req_id), r.features)
-                if feats is not None:
-                    self._pending[r.req_id] = feats
-            else:
-                out.append(None)
-                rest.append(replace(r, features=join_features(self._pending.pop(r.req_id, None), r.features)))
+            out.append(Draft(toks) if toks else None)
+            if not toks:
+                rest.append(r)
         self.num_lookup += len(reqs) - len(rest)
         self.num_model += len(rest)
         model_drafts = iter(self.model.propose(rest) if rest else [])

@@ -340,8 +340,9 @@ class ModelRunner:
             cap = min(k, c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
             if cap >= 1:
                 valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
-                reqs.append(ProposeRequest(r.req_id, c.token_ids, valid, cap, r.block_ids, c.state,
-                                           c.features.take()))
+                # NOTE: lookup drafts read no features; they stay buffered for the model's next proposal.
+                feats = c.features.take() if source != FREE_SOURCE else None
+                reqs.append(ProposeRequest(r.req_id, c.token_ids, valid, cap, r.block_ids, c.state, feats))
                 req_sources.append(source)
         if not reqs:
             return {}
