@@ -20,6 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
+    g.add_argument("--quantization", "-q", default=None, choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantization: auto (default) keeps a Q4_0/Q4_1/Q8_0 GGUF in its blocks and "
+                        "float checkpoints float; none dequantizes; int8/int4 quantize every layer weight "
+                        "(groups of 32)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=float, default=None,
@@ -51,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false")
 
 
-ENGINE_KEYS = ("dtype", "device", "max_model_len", "block_size", "kv_cache_memory", "num_blocks",
+ENGINE_KEYS = ("dtype", "device", "quantization", "max_model_len", "block_size", "kv_cache_memory", "num_blocks",
                "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching", "max_num_batched_tokens",
                "max_num_seqs", "speculative_model", "num_speculative_tokens", "speculative_method",
                "speculative_config", "draft_layers", "prompt_lookup_min", "prompt_lookup_max",

@@ -53,6 +53,7 @@ class ModelArch:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # model/quant.py
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,15 @@ class ModelConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     enforce_eager: bool = False  # never capture GPU graphs (vLLM's --enforce-eager)
+    # Weight-only quantization (vLLM's --quantization): auto keeps a quantized GGUF quantized and leaves
+    # float checkpoints float; none dequantizes; int8 / int4 (re)quantize every layer weight.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
 
@@ -227,7 +233,8 @@ class EngineConfig:
             picked = {n: kw.pop(n) for n in names if n in kw}
             return {n: v for n, v in picked.items() if v is not None}
 
-        model_cfg = ModelConfig(model=model, **take("dtype", "device", "max_model_len", "seed", "enforce_eager"))
+        model_cfg = ModelConfig(model=model, **take("dtype", "device", "max_model_len", "seed", "enforce_eager",
+                                                     "quantization"))
         cache_kw = take("block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching",
                         "gpu_memory_utilization")
         sched_kw = take("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")

@@ -37,6 +37,14 @@ class Platform:
         return row_invariant_linear if self.kind == "cpu" and dtype == torch.bfloat16 else F.linear
 
     @property
+    def quant_kernels(self) -> str | None:
+        """Which weight-only quantized matmuls run here (model/quant.py): "cpu" (AVX2 C++ kernels, x86 with
+        AVX2), "triton" (GPUs of either vendor), or None (weights are dequantized)."""
+        if self.kind == "cpu":
+            return "cpu" if cpu_capability() in ("AVX2", "AVX512") else None
+        return "triton" if _triton_available() else None
+
+    @property
     def can_capture_graphs(self) -> bool:
         """Graph capture needs the platform's support and a capturable attention backend (Triton; the torch
         reference plans its gathers from host lists and syncs, so it cannot be captured)."""
@@ -59,7 +67,10 @@ class Platform:
             "dist_backend": self.dist_backend,
             "torch": torch.__version__,
             "torch_threads": str(torch.get_num_threads()),
+            "quant_kernels": self.quant_kernels or "none (weights dequantized)",
         }
+        if self.kind == "cpu":
+            info["cpu_class"] = cpu_class()
         if self.kind == "cuda":
             info["cuda_runtime"] = str(torch.version.cuda)
         if self.kind == "rocm":
@@ -79,6 +90,19 @@ def _triton_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def cpu_capability() -> str:
+    """The widest x86 vector extension torch dispatches to here: "AVX512", "AVX2", or "DEFAULT" (ARM, old x86)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # noqa: BLE001 - older torch
+        return "DEFAULT"
+
+
+def cpu_class() -> str:
+    """What benchmarks print: "bf16 hardware (AVX512-BF16/AMX)" or "no bf16 hardware (<capability>)"."""
+    return "bf16 hardware (AVX512-BF16/AMX)" if cpu_has_native_bf16() else f"no bf16 hardware ({cpu_capability()})"
 
 
 def cpu_has_native_bf16() -> bool:

@@ -89,7 +89,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
     walls: dict[str, float] = {}
-    engine_kw = {"dtype": args.dtype, "device": args.device}
+    # The teacher runs float: the training code reads its weights as tensors. For a quantized GGUF that is
+    # the same numbers `serve --quantization auto` multiplies with (only the summation order differs).
+    engine_kw = {"dtype": args.dtype, "device": args.device, "quantization": "none"}
     llm = LLM(args.target, max_num_seqs=args.batch, enable_prefix_caching=False, **engine_kw)
     if args.kind == "head":  # collect exactly the features the head will read when serving
         llm.engine.runner.model.feature_layers = feature_layers(args.feature_layers, llm.engine.runner.arch.num_layers)

@@ -56,7 +56,7 @@ class Engine:
         configure_threads()
         self.config = config
         self.platform = platform or detect(config.model.device)
-        target = load_checkpoint(config.model.model)
+        target = load_checkpoint(config.model.model, keep_quantized=config.model.quantization != "none")
         self.tokenizer = Tokenizer.from_checkpoint(config.model.model)
         self.runner = ModelRunner(config, self.platform, target)
         self.max_model_len = self.runner.max_model_len

@@ -13,6 +13,8 @@ layer (``config.json`` with ``"specserve_draft": "eagle"`` + ``model.safetensors
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 import os
 from dataclasses import asdict, dataclass, replace
@@ -106,11 +108,13 @@ class EagleHead(nn.Module):
         self.draft_vocab = ids.to(self.device, torch.long)
         self.draft_lm_head = nn.Parameter(lm_head[self.draft_vocab].detach().clone(), requires_grad=False)
 
-    def draft_logits(self, normed: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] normed prediction -> [B, vocab] float logits; -inf outside the draft vocabulary."""
+    def draft_logits(self, normed: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> torch.Tensor:
+        """[B, hidden] normed prediction -> [B, vocab] float logits; -inf outside the draft vocabulary.
+        ``target_logits``: the target's LM head (``LlamaModel.compute_logits``), for a full-vocabulary head."""
         if self.draft_lm_head is None or self.draft_vocab is None:
-            return F.linear(normed, lm_head).float()
-        out = torch.full((normed.shape[0], lm_head.shape[0]), float("-inf"), device=normed.device)
+            return target_logits(normed)
+        out = torch.full((normed.shape[0], self.cfg.vocab_size), float("-inf"), device=normed.device)
         out[:, self.draft_vocab] = F.linear(normed, self.draft_lm_head).float()
         return out
 

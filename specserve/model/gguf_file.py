@@ -1,7 +1,8 @@
 """A GGUF reader of our own: header, metadata and tensor infos straight from an mmap, tensors on demand.
 
 Metadata arrays (the 49k-entry vocabulary) are skipped, not decoded: that is most of the 2-4 s the gguf
-package's GGUFReader spends on the demo model. Quantized tensors are dequantized with the gguf package.
+package's GGUFReader spends on the demo model. Q4_0 / Q4_1 / Q8_0 matrices can be kept in their blocks
+(model/quant.py); other quantized tensors are dequantized with the gguf package.
 Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from specserve.config import CheckpointError
+from specserve.model.quant import GROUP, QuantizedTensor
 
 
 class GGUFArray(NamedTuple):
@@ -121,12 +123,38 @@ def parse_gguf(f: Any, file: str) -> GGUFFile:
     return GGUFFile(meta, tensors)
 
 
-def read_gguf_tensor(f: Any, info: TensorInfo, file: str) -> torch.Tensor:
-    """One tensor in its torch shape (GGUF dims reversed); quantized types dequantized to float32."""
+# Block layouts kept quantized (model/quant.py's group-32 format): Q4_0 = f16 d + 16 bytes of codes
+# (w = d * (q - 8)); Q4_1 = f16 d + f16 m + 16 bytes (w = d * q + m); Q8_0 = f16 d + 32 int8 (w = d * q).
+# In a 4-bit block, byte i holds code i in its low nibble and code i + 16 in its high nibble.
+_KEPT = {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20, gguf.GGMLQuantizationType.Q8_0: 34}
+
+
+def _quantized(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> QuantizedTensor:
+    """Raw GGUF blocks of a [N, K] weight -> QuantizedTensor with the file's own numbers."""
+    n, k = shape
+    blocks = raw.reshape(n, k // GROUP, _KEPT[qtype])
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, G]
+    if qtype == gguf.GGMLQuantizationType.Q8_0:
+        codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(n, k)
+        return QuantizedTensor(8, codes, d, None)
+    start = 2 if qtype == gguf.GGMLQuantizationType.Q4_0 else 4
+    mins = -8.0 * d if start == 2 else torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]
+                                                         .astype(np.float32))
+    qs = torch.from_numpy(blocks[..., start:].copy())  # [N, G, 16]
+    codes = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, k)
+    return QuantizedTensor(4, codes, d, mins)
+
+
+def read_gguf_tensor(f: Any, info: TensorInfo, file: str, keep_quantized: bool = False
+                     ) -> torch.Tensor | QuantizedTensor:
+    """One tensor in its torch shape (GGUF dims reversed). Q4_0 / Q4_1 / Q8_0 matrices come back as a
+    ``QuantizedTensor`` with ``keep_quantized``; every other quantized type is dequantized to float32."""
     f.seek(info.offset)
     raw = np.fromfile(f, dtype=np.uint8, count=info.nbytes)  # a fresh writable array, no memmap aliasing
     shape = tuple(reversed(info.shape))
     q = gguf.GGMLQuantizationType
+    if keep_quantized and info.qtype in _KEPT and len(shape) == 2:
+        return _quantized(raw, info.qtype, shape)
     if info.qtype == q.F32:
         return torch.from_numpy(raw.view(np.float32).reshape(shape))
     if info.qtype == q.F16:

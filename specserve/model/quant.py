@@ -1,0 +1,286 @@
+"""Weight-only quantized linears: the format every checkpoint is brought to, and the packed weights the
+layers call through the one ``Linear`` seam (``linear(x, weight, bias)``).
+
+One format, llama.cpp's: groups of ``GROUP`` = 32 along the input dimension, each with its own scale (and,
+for 4 bits, its own min), ``w = scale * code + min``.
+- 4 bits: codes 0..15, scale + min per group: GGUF Q4_1 exactly; Q4_0 (``d * (q - 8)``) is scale d and
+  min -8d, also exact.
+- 8 bits: codes -128..127, scale per group: GGUF Q8_0 exactly.
+So a quantized GGUF keeps the file's own numbers; float checkpoints are requantized (``quantize``).
+
+The packed weights are ``nn.Module``s with ``forward(x) -> x @ w.T``; which kernels run them is answered by
+``platform.Platform.quant_kernels``: ``cpu`` (AVX2 kernels of ``kernels/quant_cpu.cpp``, built on first use),
+``triton`` (``triton_quant.py``, GPUs of either vendor), or ``None`` (no kernel here: weights dequantized).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import CheckpointError
+
+log = logging.getLogger("specserve")
+
+GROUP = 32
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A [N, K] weight in groups of ``GROUP`` along K: ``w[n, k] = scales[n, k // 32] * codes[n, k] (+ mins)``."""
+
+    bits: int  # 4 (codes uint8 0..15, with mins) or 8 (codes int8, mins None)
+    codes: torch.Tensor  # [N, K] uint8 (4 bits) or int8 (8 bits)
+    scales: torch.Tensor  # [N, K // GROUP] float32
+    mins: torch.Tensor | None  # [N, K // GROUP] float32, or None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.codes.shape
+        w = self.codes.float().view(n, k // GROUP, GROUP) * self.scales[..., None]
+        if self.mins is not None:
+            w = w + self.mins[..., None]
+        return w.view(n, k).to(dtype)
+
+    def rows(self, index: torch.Tensor) -> QuantizedTensor:
+        """The rows ``index`` (GGUF's q/k un-permutation reorders output rows)."""
+        pick = lambda t: None if t is None else t.index_select(0, index).contiguous()  # noqa: E731
+        return QuantizedTensor(self.bits, pick(self.codes), pick(self.scales), pick(self.mins))
+
+
+def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Concatenate along the output dimension (fused q/k/v, gate/up). Parts of different widths are
+    brought to the widest: 4-bit parts are requantized to 8 bits (a 16-level group fits 255 levels closely)."""
+    bits = max(p.bits for p in parts)
+    parts = [p if p.bits == bits else quantize(p.dequantize(), bits) for p in parts]
+    mins = None if bits == 8 else torch.cat([p.mins for p in parts])  # type: ignore[misc]
+    return QuantizedTensor(bits, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
+
+
+def quantize(w: torch.Tensor, bits: int, name: str = "weight") -> QuantizedTensor:
+    """Requantize a float [N, K] weight: 4 bits asymmetric (min/max per group, as Q4_1), 8 bits symmetric
+    (absmax per group, as Q8_0). Rounds to nearest."""
+    n, k = w.shape
+    if k % GROUP:
+        raise CheckpointError(f"cannot quantize {name} to int{bits}: its input size {k} is not a multiple of "
+                              f"the group size {GROUP} (use --quantization none)")
+    g = w.detach().float().reshape(n, k // GROUP, GROUP)
+    if bits == 8:
+        scales = g.abs().amax(-1) / 127.0
+        inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+        codes = torch.round(g * inv[..., None]).clamp(-128, 127).to(torch.int8)
+        return QuantizedTensor(8, codes.view(n, k), scales.contiguous(), None)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = (hi - lo) / 15.0
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    codes = torch.round((g - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantizedTensor(4, codes.view(n, k), scales.contiguous(), lo.contiguous())
+
+
+# -- packed weights: what the layers hold and call -------------------------------------------------------------
+class PackedWeight(nn.Module):
+    """A weight the layers call as ``w(x) -> x @ w.T`` ([..., K] -> [..., N]); ``dequantize`` gives it back
+    as a float tensor (the EAGLE head's reduced LM head, distill's training loss)."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = shape
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.matmul(x)
+        return self.matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+
+
+class DenseWeight(PackedWeight):
+    """A float weight behind the packed interface (a tensor no kernel here takes, or quantization off for it)."""
+
+    def __init__(self, weight: torch.Tensor, linear=F.linear) -> None:  # noqa: ANN001 - the Linear seam
+        super().__init__(tuple(weight.shape))  # type: ignore[arg-type]
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.linear = linear
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.weight)
+
+
+class _Quantized(PackedWeight):
+    """Shared state of the kernel-backed weights: scales/mins as fp32 buffers, the dequantized reference."""
+
+    def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
+        super().__init__(tuple(qt.shape))  # type: ignore[arg-type]
+        self.bits = qt.bits
+        self.register_buffer("scales", qt.scales.float().contiguous().to(device))
+        self.register_buffer("mins", None if qt.mins is None else qt.mins.float().contiguous().to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.unpacked().dequantize(dtype)
+
+    def unpacked(self) -> QuantizedTensor:
+        raise NotImplementedError
+
+
+class CpuQuantWeight(_Quantized):
+    """AVX2 kernels (``kernels/quant_cpu.cpp``): 4-bit codes packed as GGUF's Q4 blocks, 8-bit codes as is."""
+
+    def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
+        super().__init__(qt, device)
+        n, k = qt.shape
+        if qt.bits == 4:  # byte i of a group: code i (low nibble), code i + 16 (high nibble)
+            c = qt.codes.view(n, k // GROUP, 2, GROUP // 2)
+            packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+        else:
+            packed = qt.codes
+        self.register_buffer("packed", packed.contiguous().to(device))
+
+    def unpacked(self) -> QuantizedTensor:
+        n, k = self.shape
+        if self.bits == 8:
+            return QuantizedTensor(8, self.packed, self.scales, None)
+        b = self.packed.view(n, k // GROUP, GROUP // 2)
+        codes = torch.stack([b & 0xF, b >> 4], dim=2).reshape(n, k)
+        return QuantizedTensor(4, codes, self.scales, self.mins)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bits == 4:
+            return torch.ops.specserve_cpu.q4_mm(x, self.packed, self.scales, self.mins)
+        return torch.ops.specserve_cpu.q8_mm(x, self.packed, self.scales)
+
+
+class TritonQuantWeight(_Quantized):
+    """GPU (CUDA or ROCm) Triton kernels of ``triton_quant.py``: 4-bit codes, two per byte along K."""
+
+    def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
+        if qt.bits != 4:
+            raise ValueError("the Triton kernels take 4-bit group weights only")
+        super().__init__(qt, device)
+        n, k = qt.shape
+        c = qt.codes.view(n, k // 2, 2)
+        self.register_buffer("packed", (c[..., 0] | (c[..., 1] << 4)).contiguous().to(device))
+
+    def unpacked(self) -> QuantizedTensor:
+        n, k = self.shape
+        codes = torch.stack([self.packed & 0xF, self.packed >> 4], dim=-1).reshape(n, k)
+        return QuantizedTensor(4, codes, self.scales, self.mins)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from specserve.model.triton_quant import int4_matmul
+
+        return int4_matmul(x.contiguous(), self.packed, self.scales, self.mins, GROUP)
+
+
+def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``Linear`` seam of a quantized model: every matmul weight it holds is a ``PackedWeight``."""
+    y = weight(x)
+    return y if bias is None else y + bias
+
+
+def pack(w: torch.Tensor | QuantizedTensor, kernels: str | None, device: torch.device, dtype: torch.dtype,
+         linear=F.linear) -> PackedWeight:  # noqa: ANN001 - the Linear seam
+    """A weight in the form ``kernels`` runs; float tensors and weights no kernel takes stay dense."""
+    if isinstance(w, QuantizedTensor):
+        if kernels == "cpu":
+            return CpuQuantWeight(w, device)
+        if kernels == "triton" and w.bits == 4:
+            return TritonQuantWeight(w, device)
+        w = w.dequantize()
+    return DenseWeight(w.to(device=device, dtype=dtype), linear)
+
+
+def make_packer(mode: str, kernels: str | None, state_dict: dict, device: torch.device, dtype: torch.dtype,
+                linear=F.linear):  # noqa: ANN001, ANN201 - the Linear seam; returns llama.Packer | None
+    """What ``--quantization`` makes of a checkpoint's matmul weights, or None for a plain float model.
+
+    - none: float (quantized GGUF tensors were dequantized by the loader);
+    - auto: quantized GGUF tensors stay as the file has them, float tensors stay float; a checkpoint with no
+      quantized tensor is a plain float model;
+    - int4 / int8: every layer weight at that width (GGUF blocks of that width kept, others requantized);
+      the LM head stays as the file has it when quantized, else 8 bits (as llama.cpp's Q4 files keep it).
+    Without a kernel for this platform (``kernels`` None) weights are dequantized, with one warning.
+    """
+    if mode == "none":
+        return None
+    if mode == "auto" and not any(isinstance(t, QuantizedTensor) for t in state_dict.values()):
+        return None
+    if kernels is None:
+        log.warning("quantization %s: no weight-only kernel on this platform; weights are dequantized", mode)
+        return None
+    if kernels == "cpu" and not load_cpu_kernels():
+        return None
+    bits = {"int4": 4, "int8": 8}.get(mode)
+
+    def packer(w: torch.Tensor | QuantizedTensor, name: str) -> PackedWeight:
+        if bits is not None:
+            head = name in ("lm_head.weight", "model.embed_tokens.weight")
+            if not (isinstance(w, QuantizedTensor) and (head or w.bits == bits)):
+                w = quantize(w.dequantize() if isinstance(w, QuantizedTensor) else w, 8 if head else bits, name)
+        return pack(w, kernels, device, dtype, linear)
+
+    return packer
+
+
+def describe_weights(model: nn.Module) -> str:
+    """One start-up line: how many matmul weights of each kind, and their bytes."""
+    kinds: dict[str, list[int]] = {}
+    for m in model.modules():
+        if isinstance(m, PackedWeight):
+            kind = f"int{m.bits}" if isinstance(m, _Quantized) else "dense"
+            nbytes = sum(b.numel() * b.element_size() for b in list(m.buffers()) + list(m.parameters()))
+            entry = kinds.setdefault(kind, [0, 0])
+            entry[0], entry[1] = entry[0] + 1, entry[1] + nbytes
+    if not kinds:
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        return f"float, {total / 2**20:.0f} MiB"
+    return ", ".join(f"{n} {kind} matmuls {b / 2**20:.0f} MiB" for kind, (n, b) in sorted(kinds.items()))
+
+
+# -- the CPU kernels: built once per machine, loaded once per process ----------------------------------------
+_cpu_kernels: bool | None = None
+
+
+def load_cpu_kernels() -> bool:
+    """Build (first use on a machine, ~20 s; cached by torch in its extensions dir) and load the AVX2
+    kernels; False, with one warning, when that cannot be done (no compiler, no AVX2)."""
+    global _cpu_kernels
+    if _cpu_kernels is None:
+        _cpu_kernels = _build_cpu_kernels()
+    return _cpu_kernels
+
+
+def _build_cpu_kernels() -> bool:
+    if hasattr(torch.ops, "specserve_cpu") and hasattr(torch.ops.specserve_cpu, "q4_mm"):
+        return True
+    try:
+        from torch.utils.cpp_extension import load
+
+        src = os.path.join(os.path.dirname(__file__), "kernels", "quant_cpu.cpp")
+        log.info("quantization: loading the AVX2 kernels (compiled on first use, ~20 s)")
+        load(name="specserve_quant_cpu", sources=[src], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return True
+    except Exception as e:  # noqa: BLE001 - any build failure means: run dequantized
+        log.warning("quantization: cannot build the CPU kernels (%s: %s); weights are dequantized instead",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return False
