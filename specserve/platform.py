@@ -24,7 +24,7 @@ class Platform:
     kind: str  # "cuda" | "rocm" | "cpu"
     device: torch.device
     default_dtype: torch.dtype
-    attention_backend: str  # "torch" | "triton"
+    attention_backend: str  # "torch" (reference) | "cpu" (C++ kernel) | "triton"
     supports_graphs: bool
     dist_backend: str  # "nccl" (RCCL on ROCm speaks the nccl backend name) | "gloo"
 
@@ -160,7 +160,8 @@ def detect(requested: str = "auto") -> Platform:
         raise SpecserveError(f"unknown device {requested!r}: use auto, cuda, rocm or cpu")
     if kind == "cpu":
         dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-        return Platform("cpu", torch.device("cpu"), dtype, "torch", False, "gloo")
+        kernel = cpu_capability() in ("AVX2", "AVX512") and os.environ.get("SPECSERVE_ATTENTION", "cpu") == "cpu"
+        return Platform("cpu", torch.device("cpu"), dtype, "cpu" if kernel else "torch", False, "gloo")
     use_triton = _triton_available() and os.environ.get("SPECSERVE_ATTENTION", "triton") == "triton"
     return Platform(
         kind=kind,

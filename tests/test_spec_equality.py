@@ -28,7 +28,8 @@ from specserve import SamplingParams
 from specserve.llm import LLM
 from specserve.model.attention import build_metadata
 from specserve.model.llama import LlamaModel
-from specserve.platform import cpu_has_native_bf16
+from specserve.model.kernels import load_cpu_kernels
+from specserve.platform import cpu_has_native_bf16, detect
 from specserve.sample.sampler import RequestSamplingState, process_logits
 from specserve.spec.controller import SpecController
 from tests.helpers import tiny_hf_model, write_char_tokenizer
@@ -160,9 +161,11 @@ _RUNS: dict[tuple, Run] = {}
 
 
 def engine_args(bs: int, method: str | None, k: int, paths: Tiny, num_blocks: int = 1024,
-                max_num_batched_tokens: int = 2048, dtype: str = "float32") -> dict[str, Any]:
+                max_num_batched_tokens: int = 2048, dtype: str = "float32", quantization: str = "auto"
+                ) -> dict[str, Any]:
     args: dict[str, Any] = dict(dtype=dtype, device="cpu", block_size=16, num_blocks=num_blocks,
-                                max_num_seqs=bs, max_num_batched_tokens=max_num_batched_tokens)
+                                max_num_seqs=bs, max_num_batched_tokens=max_num_batched_tokens,
+                                quantization=quantization)
     if method is not None:
         args.update(speculative_method=method, num_speculative_tokens=k, speculative_adaptive=False)
         if method == "layer_skip":
@@ -175,11 +178,12 @@ def engine_args(bs: int, method: str | None, k: int, paths: Tiny, num_blocks: in
 
 
 def run(tiny: dict[str, Tiny], family: str, bs: int, method: str | None = None, k: int = 0,
-        num_blocks: int = 1024, max_num_batched_tokens: int = 2048, dtype: str = "float32") -> Run:
+        num_blocks: int = 1024, max_num_batched_tokens: int = 2048, dtype: str = "float32",
+        quantization: str = "auto") -> Run:
     """All PROMPTS submitted at once, greedy; memoised per configuration (the references are shared)."""
-    key = (family, bs, method, k, num_blocks, max_num_batched_tokens, dtype)
+    key = (family, bs, method, k, num_blocks, max_num_batched_tokens, dtype, quantization)
     if key not in _RUNS:
-        args = engine_args(bs, method, k, tiny[family], num_blocks, max_num_batched_tokens, dtype)
+        args = engine_args(bs, method, k, tiny[family], num_blocks, max_num_batched_tokens, dtype, quantization)
         llm = LLM(tiny[family].target, **args)
         outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
         _RUNS[key] = Run(llm, [o.outputs[0].token_ids for o in outs], llm.get_metrics())
@@ -361,6 +365,40 @@ def test_bf16_cpu_batch_invariant_across_batch_sizes(tiny):
     outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == eight.token_ids
     assert max(chaos.seen) >= 3
+
+
+# -- quantized targets on CPU: bit-exact in fp32, no near-tie allowance ---------------------------------------
+needs_cpu_kernels = pytest.mark.skipif(detect("cpu").quant_kernels != "cpu" or not load_cpu_kernels(),
+                                       reason="the C++ CPU kernels need an x86 CPU with AVX2 and a C++ compiler")
+QUANT_CASES = [(q, m, 3, 8) for q in ("int4", "int8") for m in METHODS] + [("int4", m, 5, 1) for m in METHODS] \
+    + [("int8", "ngram", 7, 32)]
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("quant,method,k,bs", QUANT_CASES, ids=lambda v: str(v))
+def test_quantized_cpu_greedy_bit_exact(tiny, quant, method, k, bs):
+    """A quantized target on CPU runs only row-invariant kernels (the AVX2 matmuls, the C++ attention and
+    fused ops: each row summed in an order fixed by its own length), so speculation reproduces plain decoding
+    token for token in fp32: any divergence is a bug."""
+    ref = run(tiny, "llama", bs, quantization=quant)
+    out = run(tiny, "llama", bs, method, k, quantization=quant)
+    diverged = [i for i, (r, o) in enumerate(zip(ref.token_ids, out.token_ids, strict=True)) if r != o]
+    assert not diverged, f"{len(diverged)} {quant} outputs differ, first: request {diverged[0]}"
+    assert_speculated(out.metrics)
+
+
+@needs_cpu_kernels
+def test_quantized_cpu_batch_invariant_preemption_chunked_prefill(tiny):
+    """One request at a time, 8 at once, recompute after preemption, 64-token prefill chunks sharing steps
+    with verification: the same tokens (Qwen2, with q/k/v biases, for preemption)."""
+    one, eight = run(tiny, "llama", 1, quantization="int4"), run(tiny, "llama", 8, quantization="int4")
+    assert one.token_ids == eight.token_ids
+    chunked = run(tiny, "llama", 32, "layer_skip", 5, max_num_batched_tokens=64, quantization="int4")
+    assert chunked.token_ids == eight.token_ids
+    ref = run(tiny, "qwen2", 8, quantization="int4")
+    pre = run(tiny, "qwen2", 8, "draft", 4, num_blocks=PREEMPT_BLOCKS, quantization="int4")
+    assert pre.metrics["num_preemptions"] > 0
+    assert pre.token_ids == ref.token_ids
 
 
 def test_layer_skip_equals_truncated_draft(tiny):

@@ -16,7 +16,10 @@ from torch import nn
 from specserve.config import CheckpointError, ModelArch
 from specserve.model.attention import AttentionBackend, AttentionMetadata
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from specserve.model.ops import TorchOps
 from specserve.model.quant import PackedWeight, QuantizedTensor, cat_rows
+
+_TORCH_OPS = TorchOps()
 
 # Turns a matmul weight (float tensor or QuantizedTensor, HF name of its first part) into the packed form
 # a quantized model's layers call (model/quant.py ``pack``); None: plain float parameters.
@@ -41,15 +44,10 @@ class Attention(nn.Module):
         self.o = _param(arch.hidden_size, self.q_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend, ops: TorchOps = _TORCH_OPS) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2 Hkv) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        q = ops.qkv_rope_write(qkv, positions, rope, self.num_heads, self.num_kv_heads, kv_cache, meta, backend)
         o = backend.attend(q, kv_cache, meta, self.scale)  # [T, H, D]
         return self.linear(o.reshape(t, self.q_size), self.o)
 
@@ -67,9 +65,10 @@ class LlamaModel(nn.Module):
     """``forward(input_ids, positions, kv_caches, meta) -> hidden`` over flat tokens; logits on request."""
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-                 max_positions: int, linear: Linear = F.linear) -> None:
+                 max_positions: int, linear: Linear = F.linear, ops: TorchOps = _TORCH_OPS) -> None:
         super().__init__()
         self.arch, self.dtype, self.device, self.backend, self.linear = arch, dtype, device, backend, linear
+        self.ops = ops  # model/ops.py: residual + norm, rope + KV write (fused on CPU in fp32)
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, linear) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
@@ -100,11 +99,16 @@ class LlamaModel(nn.Module):
         layers = self.decoder_layers if num_layers is None else self.decoder_layers[:num_layers]
         taps = self.feature_layers if return_prenorm and self.feature_layers else ()
         kept: list[torch.Tensor] = []
+        ops, delta = self.ops, None  # delta: the last sublayer's output, added to h by the next add_norm
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches), start=1):
-            h = h + layer.attn(layer.input_norm(h), positions, self.rope, kv_cache, meta, self.backend)
-            h = h + layer.mlp(layer.post_norm(h))
+            h, x = ops.add_norm(h, delta, layer.input_norm)
+            delta = layer.attn(x, positions, self.rope, kv_cache, meta, self.backend, ops)
+            h, x = ops.add_norm(h, delta, layer.post_norm)
+            delta = layer.mlp(x)
             if i in taps:
-                kept.append(h)
+                kept.append(h + delta)
+        if delta is not None:
+            h = h + delta
         if not return_prenorm:
             return self.norm(h)
         return self.norm(h), (torch.cat(kept, dim=-1) if taps else h)

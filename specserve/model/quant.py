@@ -9,14 +9,13 @@ for 4 bits, its own min), ``w = scale * code + min``.
 So a quantized GGUF keeps the file's own numbers; float checkpoints are requantized (``quantize``).
 
 The packed weights are ``nn.Module``s with ``forward(x) -> x @ w.T``; which kernels run them is answered by
-``platform.Platform.quant_kernels``: ``cpu`` (AVX2 kernels of ``kernels/quant_cpu.cpp``, built on first use),
+``platform.Platform.quant_kernels``: ``cpu`` (AVX2 kernels of ``kernels/cpu_kernels.cpp``, built on first use),
 ``triton`` (``triton_quant.py``, GPUs of either vendor), or ``None`` (no kernel here: weights dequantized).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import CheckpointError
+from specserve.model.kernels import load_cpu_kernels
 
 log = logging.getLogger("specserve")
 
@@ -143,7 +143,7 @@ class _Quantized(PackedWeight):
 
 
 class CpuQuantWeight(_Quantized):
-    """AVX2 kernels (``kernels/quant_cpu.cpp``): 4-bit codes packed as GGUF's Q4 blocks, 8-bit codes as is."""
+    """AVX2 kernels (``kernels/cpu_kernels.cpp``): 4-bit codes packed as GGUF's Q4 blocks, 8-bit codes as is."""
 
     def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
         super().__init__(qt, device)
@@ -254,33 +254,3 @@ def describe_weights(model: nn.Module) -> str:
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         return f"float, {total / 2**20:.0f} MiB"
     return ", ".join(f"{n} {kind} matmuls {b / 2**20:.0f} MiB" for kind, (n, b) in sorted(kinds.items()))
-
-
-# -- the CPU kernels: built once per machine, loaded once per process ----------------------------------------
-_cpu_kernels: bool | None = None
-
-
-def load_cpu_kernels() -> bool:
-    """Build (first use on a machine, ~20 s; cached by torch in its extensions dir) and load the AVX2
-    kernels; False, with one warning, when that cannot be done (no compiler, no AVX2)."""
-    global _cpu_kernels
-    if _cpu_kernels is None:
-        _cpu_kernels = _build_cpu_kernels()
-    return _cpu_kernels
-
-
-def _build_cpu_kernels() -> bool:
-    if hasattr(torch.ops, "specserve_cpu") and hasattr(torch.ops.specserve_cpu, "q4_mm"):
-        return True
-    try:
-        from torch.utils.cpp_extension import load
-
-        src = os.path.join(os.path.dirname(__file__), "kernels", "quant_cpu.cpp")
-        log.info("quantization: loading the AVX2 kernels (compiled on first use, ~20 s)")
-        load(name="specserve_quant_cpu", sources=[src], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        return True
-    except Exception as e:  # noqa: BLE001 - any build failure means: run dequantized
-        log.warning("quantization: cannot build the CPU kernels (%s: %s); weights are dequantized instead",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return False

@@ -20,6 +20,7 @@ from specserve.model.attention import make_backend
 from specserve.model.eagle_head import EagleHead, load_eagle_head
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import Checkpoint, load_checkpoint
+from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import Platform, resolve_dtype, to_device
@@ -58,7 +59,8 @@ def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_po
     packer = make_packer(quantization, platform.quant_kernels, ckpt.state_dict, platform.device, dtype,
                          platform.linear(dtype))
     model = LlamaModel(ckpt.arch, dtype, platform.device, make_backend(platform.attention_backend),
-                       max_positions, platform.linear(dtype) if packer is None else packed_linear)
+                       max_positions, platform.linear(dtype) if packer is None else packed_linear,
+                       make_ops(platform.device, dtype, platform.attention_backend))
     model.load_weights(ckpt.state_dict, packer)
     log.info("weights: %s", describe_weights(model))
     return model.eval()

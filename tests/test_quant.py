@@ -1,0 +1,152 @@
+"""Weight-only quantization (model/quant.py) and the C++ CPU kernels (model/kernels/cpu_kernels.cpp).
+
+- GGUF Q4_0 / Q4_1 / Q8_0 blocks decode to exactly the numbers the gguf package dequantizes them to;
+- the AVX2 matmuls equal a dequantize-then-fp32 reference up to summation order, and a row's result does not
+  depend on the other rows (the property that makes greedy speculation bit-exact on quantized targets);
+- the paged-attention kernel and the fused small ops against their torch references;
+- ``--quantization``'s policy and its errors.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specserve.config import CheckpointError, ModelConfig
+from specserve.model.attention import CpuKernelAttention, TorchAttention, build_metadata
+from specserve.model.gguf_file import _quantized
+from specserve.model.kernels import load_cpu_kernels
+from specserve.model.layers import RMSNorm, RotaryEmbedding
+from specserve.model.ops import CpuFusedOps, TorchOps
+from specserve.model.quant import (
+    CpuQuantWeight,
+    DenseWeight,
+    QuantizedTensor,
+    cat_rows,
+    make_packer,
+    quantize,
+)
+from specserve.platform import detect
+
+needs_kernels = pytest.mark.skipif(detect("cpu").quant_kernels != "cpu" or not load_cpu_kernels(),
+                                   reason="the C++ CPU kernels need an x86 CPU with AVX2 and a C++ compiler")
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_gguf_blocks_decode_to_the_files_numbers(qtype):
+    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)  # [6, blocks * block bytes]
+    want = gguf.quants.dequantize(raw, qtype)
+    qt = _quantized(raw.reshape(-1), qtype, (6, 96))
+    assert qt.bits == (8 if qtype == Q.Q8_0 else 4)
+    got = qt.dequantize().numpy()
+    # Q4_1 (d * q + m) may round the sum once where numpy rounds twice: within an ulp of the weight.
+    np.testing.assert_allclose(got, want, rtol=0, atol=float(np.abs(want).max()) * 2 ** -22)
+    if qtype != Q.Q4_1:
+        assert np.array_equal(got, want)
+
+
+def test_quantize_error_bounds_and_shapes():
+    w = torch.randn(40, 96)
+    g = w.view(40, 3, 32)
+    for bits, step in ((4, (g.amax(-1) - g.amin(-1)) / 15), (8, g.abs().amax(-1) / 127)):
+        qt = quantize(w, bits)
+        err = (qt.dequantize() - w).abs().view(40, 3, 32).amax(-1)
+        assert bool((err <= step * 0.51 + 1e-7).all()), bits
+    fused = cat_rows([quantize(w[:8], 4), quantize(w[8:], 8)])  # mixed widths -> the wider
+    assert fused.bits == 8 and fused.shape == (40, 96)
+    with pytest.raises(CheckpointError, match="not a multiple of the group size 32"):
+        quantize(torch.randn(4, 48), 4, "model.layers.0.mlp.down_proj.weight")
+
+
+def test_quantization_choices_are_validated():
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4"):
+        ModelConfig(quantization="fp4")
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_matmul_matches_reference_and_is_row_invariant(bits):
+    torch.manual_seed(0)
+    w = torch.randn(72, 160)
+    qt = quantize(w, bits)
+    packed = CpuQuantWeight(qt, torch.device("cpu"))
+    x = torch.randn(23, 160)
+    ref = x @ qt.dequantize().t()
+    y = packed(x)
+    assert (y - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+    for m in (1, 2, 5, 8, 9, 17):  # any row tile split: row 0 always gets the same bits
+        assert torch.equal(packed(x[:m]), y[:m]), m
+    assert torch.equal(packed(x[5:6]), y[5:6])
+    # the packed form round-trips to the same codes
+    back = packed.unpacked()
+    assert torch.equal(back.codes, qt.codes) and torch.equal(back.scales, qt.scales)
+    # a wrong nibble order is caught by the reference check above: swap and compare
+    if bits == 4:
+        swapped = CpuQuantWeight(QuantizedTensor(4, 15 - qt.codes, qt.scales, qt.mins), torch.device("cpu"))
+        assert (swapped(x) - ref).abs().max().item() > 0.1
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_paged_attention_matches_torch_reference(kv_dtype):
+    torch.manual_seed(0)
+    bs, heads, kv_heads, d = 16, 6, 2, 32
+    kv = torch.randn(2, 40, bs, kv_heads, d).to(kv_dtype)
+    q_lens, seq_lens = [1, 5, 37, 1, 3], [300, 120, 37, 17, 3]
+    tables = [(torch.randperm(39)[: -(-s // bs)] + 1).tolist() for s in seq_lens]
+    meta = build_metadata(q_lens, seq_lens, tables, bs)
+    q = torch.randn(sum(q_lens), heads, d).to(kv_dtype)
+    ref = TorchAttention().attend(q, kv, meta, d ** -0.5).float()
+    out = CpuKernelAttention().attend(q, kv, meta, d ** -0.5).float()
+    tol = 1e-5 if kv_dtype == torch.float32 else 2e-2
+    assert (ref - out).abs().max().item() < tol
+    # row invariance: each request alone gives the same rows as the mixed batch
+    start = 0
+    for q_len, s_len, table in zip(q_lens, seq_lens, tables):
+        alone = CpuKernelAttention().attend(q[start:start + q_len], kv, build_metadata([q_len], [s_len], [table], bs),
+                                            d ** -0.5).float()
+        assert torch.equal(alone, out[start:start + q_len])
+        start += q_len
+
+
+@needs_kernels
+def test_fused_ops_match_torch_ops():
+    torch.manual_seed(0)
+    hidden, heads, kv_heads, d, t = 64, 4, 2, 16, 7
+    norm = RMSNorm(hidden, 1e-6, torch.float32, torch.device("cpu"))
+    norm.weight.data.normal_()
+    h, delta = torch.randn(t, hidden), torch.randn(t, hidden)
+    for a, b in zip(TorchOps().add_norm(h, delta, norm), CpuFusedOps().add_norm(h, delta, norm)):
+        assert (a - b).abs().max().item() < 1e-5
+    assert (TorchOps().add_norm(h, None, norm)[1] - CpuFusedOps().add_norm(h, None, norm)[1]).abs().max() < 1e-5
+    assert torch.equal(CpuFusedOps().add_norm(h, delta, norm)[0], h + delta)  # the residual add is exact
+    rope = RotaryEmbedding(d, 64, 10000.0, None, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    positions = torch.tensor([3, 9, 10, 11, 40, 41, 0])
+    meta = build_metadata([t], [t], [[1, 2, 3, 4]], 16)
+    meta.slot_mapping = torch.tensor([5, 17, 18, 19, 33, 34, 60])
+    caches = [torch.zeros(2, 5, 16, kv_heads, d) for _ in range(2)]
+    qs = [ops.qkv_rope_write(qkv, positions, rope, heads, kv_heads, cache, meta, TorchAttention())
+          for ops, cache in zip((TorchOps(), CpuFusedOps()), caches)]
+    assert (qs[0] - qs[1]).abs().max().item() < 1e-5
+    assert (caches[0] - caches[1]).abs().max().item() < 1e-5
+
+
+def test_packer_policy():
+    sd = {"model.layers.0.mlp.down_proj.weight": torch.randn(8, 64), "lm_head.weight": torch.randn(16, 64)}
+    cpu = torch.device("cpu")
+    assert make_packer("none", "cpu", sd, cpu, torch.float32) is None
+    assert make_packer("auto", "cpu", sd, cpu, torch.float32) is None  # float checkpoint: left alone
+    assert make_packer("int4", None, sd, cpu, torch.float32) is None  # no kernel here: dequantized
+    if detect("cpu").quant_kernels == "cpu" and load_cpu_kernels():
+        packer = make_packer("int4", "cpu", sd, cpu, torch.float32)
+        assert packer is not None
+        layer = packer(sd["model.layers.0.mlp.down_proj.weight"], "model.layers.0.mlp.down_proj.weight")
+        head = packer(sd["lm_head.weight"], "lm_head.weight")
+        assert (layer.bits, head.bits) == (4, 8)  # the LM head stays 8-bit, as in llama.cpp's Q4 files
+        auto = make_packer("auto", "cpu", {**sd, "x": quantize(torch.randn(8, 64), 4)}, cpu, torch.float32)
+        assert isinstance(auto(sd["lm_head.weight"], "lm_head.weight"), DenseWeight)  # float stays float
