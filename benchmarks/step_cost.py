@@ -1,13 +1,14 @@
-"""What one target forward costs for 1..8 new tokens, per dtype, and whether a row's logits depend on the
-row count (batch invariance). Speculation at batch 1 pays only when verifying k + 1 tokens costs about
-what one decode step costs (SPECULATION.md, "When speculation pays"); this measures that assumption.
+"""What one target forward costs for 1..8 new tokens, per dtype x ``--quantization`` mode x thread count,
+and whether a row's logits depend on the row count (batch invariance). Speculation at batch 1 pays only when
+verifying k + 1 tokens costs about what one decode step costs (the cost model in docs/architecture.md);
+this measures that assumption (docs/architecture.md, "CPU compute dtype").
 
-    .venv/bin/python benchmarks/step_cost.py                       # demo model, float32 and bfloat16
-    .venv/bin/python benchmarks/step_cost.py --model PATH --context 1000 --dtypes bfloat16
+    .venv/bin/python benchmarks/step_cost.py          # demo model; float32 (+ bfloat16 with bf16 hardware)
+    .venv/bin/python benchmarks/step_cost.py --model PATH --context 1000 --dtypes bfloat16 --quantizations int4
 
-Per dtype: median ms of one forward + logits for T = 1, 2, 3, 4, 6, 8 tokens of one request after a context
-of ``--context`` tokens, the ratio to T = 1, and how many logits of the first row differ from the T = 1 run
-(0 = batch-invariant). Medians over ``--repeats`` interleaved rounds.
+Per row: median ms of one forward + logits for T = 1, 2, 3, 4, 6, 8 tokens of one request after a context
+of ``--context`` tokens, the ratio to T = 1 (T = 5 is verifying k = 4 drafts), and how many logits of the
+first row differ from the T = 1 run (0 = batch-invariant). Medians over ``--repeats`` interleaved rounds.
 """
 
 from __future__ import annotations
@@ -19,20 +20,18 @@ import time
 
 import torch
 
-TOKEN_COUNTS = (1, 2, 3, 4, 6, 8)
+TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8)
 
 
-def measure(ckpt, dtype: torch.dtype, prompt: torch.Tensor, ctx: int, table: list[int], repeats: int
-            ) -> tuple[dict[int, float], dict[int, int]]:
+def measure(ckpt, dtype: torch.dtype, quantization: str, prompt: torch.Tensor, ctx: int, table: list[int],
+            repeats: int) -> tuple[dict[int, float], dict[int, int]]:
     """(median ms per token count, logits of row 0 differing from the 1-token run per token count)."""
-    from specserve.model.attention import build_metadata, make_backend
-    from specserve.model.llama import LlamaModel
+    from specserve.model.attention import build_metadata
     from specserve.platform import detect
+    from specserve.worker.model_runner import build_model
 
     block_size = 16
-    model = LlamaModel(ckpt.arch, dtype, torch.device("cpu"), make_backend("torch"), ctx + 64,
-                       detect("cpu").linear(dtype)).eval()
-    model.load_weights(ckpt.state_dict)
+    model = build_model(ckpt, detect("cpu"), dtype, ctx + 64, quantization)
     kv = [torch.zeros(model.kv_cache_shape(len(table) + 1, block_size), dtype=dtype)
           for _ in range(ckpt.arch.num_layers)]
     model(prompt[:ctx], torch.arange(ctx), kv, build_metadata([ctx], [ctx], [table], block_size))
@@ -55,28 +54,37 @@ def measure(ckpt, dtype: torch.dtype, prompt: torch.Tensor, ctx: int, table: lis
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target (default: the embedded demo model)")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default=None, help="default: float32, and bfloat16 where the CPU has bf16 hardware")
+    ap.add_argument("--quantizations", default="none,auto,int8,int4")
+    ap.add_argument("--threads", default=None, help="intra-op thread counts, e.g. 1,2 (default: what serve uses)")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
 
     from specserve.model.loader import default_model_path, load_checkpoint
-    from specserve.platform import configure_threads
+    from specserve.platform import configure_threads, cpu_class, cpu_has_native_bf16
 
     configure_threads()
-    ckpt = load_checkpoint(args.model or default_model_path())
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
+    dtypes = args.dtypes.split(",") if args.dtypes else ["float32"] + (["bfloat16"] if cpu_has_native_bf16() else [])
+    ckpt = load_checkpoint(args.model or default_model_path(), keep_quantized=True)
     ctx = args.context
     table = list(range(1, 1 + -(-(ctx + max(TOKEN_COUNTS)) // 16)))  # block 0 unused
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, ckpt.arch.vocab_size, (ctx + max(TOKEN_COUNTS),), generator=gen)
     print(f"{ckpt.arch.architecture} {ckpt.arch.num_layers} layers, hidden {ckpt.arch.hidden_size}; context {ctx}; "
-          f"{torch.get_num_threads()} threads; torch {torch.__version__}")
-    header = "dtype     " + "".join(f"  T={t:<2} ms (x)  " for t in TOKEN_COUNTS) + "  row-0 logits differing from T=1"
+          f"CPU: {cpu_class()}; torch {torch.__version__}")
+    header = "threads dtype    quant " + "".join(f"  T={t:<2} ms (x)  " for t in TOKEN_COUNTS) + \
+        "  row-0 logits differing from T=1"
     print(header)
-    for name in args.dtypes.split(","):
-        med, diffs = measure(ckpt, getattr(torch, name), prompt, ctx, table, args.repeats)
-        cells = "".join(f"  {med[t]:6.1f} ({med[t] / med[1]:.2f}) " for t in TOKEN_COUNTS)
-        print(f"{name:<10}{cells}  {max(diffs.values())} of {ckpt.arch.vocab_size}")
+    for n in threads:
+        torch.set_num_threads(n)
+        for name in dtypes:
+            for quant in args.quantizations.split(","):
+                med, diffs = measure(ckpt, getattr(torch, name), quant, prompt, ctx, table, args.repeats)
+                cells = "".join(f"  {med[t]:6.1f} ({med[t] / med[1]:.2f}) " for t in TOKEN_COUNTS)
+                print(f"{n:<8}{name:<9}{quant:<6}{cells}  {max(diffs.values())} of {ckpt.arch.vocab_size}",
+                      flush=True)
     return 0
 
 

@@ -21,8 +21,16 @@ def test_cpu_platform(monkeypatch, native_bf16):
     p = plat.detect("auto")
     dtype = torch.bfloat16 if native_bf16 else torch.float32  # bf16 only where the CPU has bf16 hardware
     assert (p.kind, p.device.type, p.default_dtype) == ("cpu", "cpu", dtype)
-    assert (p.attention_backend, p.supports_graphs, p.dist_backend) == ("torch", False, "gloo")
+    # the C++ attention kernel on x86 with AVX2; the torch reference elsewhere or when asked for
+    want = "cpu" if plat.cpu_capability() in ("AVX2", "AVX512") else "torch"
+    assert (p.attention_backend, p.supports_graphs, p.dist_backend) == (want, False, "gloo")
+    assert p.quant_kernels == ("cpu" if want == "cpu" else None)
     assert plat.detect("cpu").kind == "cpu"
+    monkeypatch.setenv("SPECSERVE_ATTENTION", "torch")
+    assert plat.detect("cpu").attention_backend == "torch"
+    monkeypatch.setattr(plat, "cpu_capability", lambda: "DEFAULT")  # e.g. ARM: no kernels, dequantized weights
+    monkeypatch.delenv("SPECSERVE_ATTENTION")
+    assert (plat.detect("cpu").attention_backend, plat.detect("cpu").quant_kernels) == ("torch", None)
 
 
 def _fake_gpu(monkeypatch, hip: str | None, triton_ok: bool = True):

@@ -150,3 +150,41 @@ def test_packer_policy():
         assert (layer.bits, head.bits) == (4, 8)  # the LM head stays 8-bit, as in llama.cpp's Q4 files
         auto = make_packer("auto", "cpu", {**sd, "x": quantize(torch.randn(8, 64), 4)}, cpu, torch.float32)
         assert isinstance(auto(sd["lm_head.weight"], "lm_head.weight"), DenseWeight)  # float stays float
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_demo_gguf_kept_quantized_agrees_with_dequantized_reference():
+    """The demo GGUF (Q4_1 layers, Q8_0 embedding/LM head) under --quantization auto multiplies with the file's
+    own numbers; against the file dequantized to float32 only the summation order differs: greedy outputs of
+    64 tokens must agree on at least 7 of 8 prompts, and the logits stay within a small |delta|."""
+    from specserve import SamplingParams
+    from specserve.bench.workloads import load_dataset
+    from specserve.llm import LLM
+
+    ref = LLM(None, quantization="none", dtype="float32", device="cpu", num_blocks=256, max_num_seqs=8)
+    assert "int" not in ref.engine.runner.weights_note
+    tok = ref.tokenizer
+    prompts = [tok.apply_chat_template(item.messages) for item in load_dataset("chat")[:8]]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    want = [o.outputs[0].token_ids for o in ref.generate(None, params, prompt_token_ids=prompts)]
+    ref_logits = _last_logits(ref, prompts[0] + want[0])
+    del ref
+    llm = LLM(None, quantization="auto", dtype="float32", device="cpu", num_blocks=256, max_num_seqs=8)
+    note = llm.engine.runner.weights_note
+    assert "int4" in note and "int8" in note, note  # Q4_1 layers and the Q8_0 LM head stayed quantized
+    got = [o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=prompts)]
+    delta = float((_last_logits(llm, prompts[0] + want[0]) - ref_logits).abs().max())
+    equal = sum(a == b for a, b in zip(want, got))
+    print(f"auto vs dequantized reference: greedy equal on {equal} of 8 prompts, max |logit delta| {delta:.2e}")
+    assert equal >= 7
+    assert delta < 1e-2
+
+
+def _last_logits(llm, tokens: list[int]) -> torch.Tensor:
+    model = llm.engine.runner.model
+    n, bs = len(tokens), 16
+    blocks = -(-n // bs)
+    kv = [torch.zeros(model.kv_cache_shape(blocks, bs)) for _ in range(model.arch.num_layers)]
+    hidden = model(torch.tensor(tokens), torch.arange(n), kv, build_metadata([n], [n], [list(range(blocks))], bs))
+    return model.compute_logits(hidden).float()

@@ -192,11 +192,14 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
 class CpuKernelAttention(TorchAttention):
     """CPU: the C++ paged attention of ``kernels/cpu_kernels.cpp``. It reads K/V rows in place through the
     block tables (no gather, no padding, no per-forward plan) and sums each query row in key order, so a row's
-    output is the same in any batch; fp32 or bf16 caches. ``TorchAttention`` is its reference."""
+    output is the same in any batch; fp32 or bf16 caches, head_dim a multiple of 8 (others: the reference).
+    ``TorchAttention`` is its reference."""
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> out: same shape
+        if query.shape[-1] % 8:
+            return super().attend(query, kv_cache, meta, scale)
         return torch.ops.specserve_cpu.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc,
                                                        meta.seq_lens, scale)
 

@@ -170,7 +170,7 @@ class CpuQuantWeight(_Quantized):
 
 
 class TritonQuantWeight(_Quantized):
-    """GPU (CUDA or ROCm) Triton kernels of ``triton_quant.py``: 4-bit codes, two per byte along K."""
+    """GPU Triton kernels of ``triton_quant.py`` (either vendor): 4-bit codes, two per byte along K."""
 
     def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
         if qt.bits != 4:

@@ -78,6 +78,7 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or target.arch.max_position_embeddings
         self.block_size = config.cache.block_size
         self.model = build_model(target, platform, self.dtype, self.max_model_len + 64, config.model.quantization)
+        self.weights_note = describe_weights(self.model)  # e.g. "210 int4 matmuls 61 MiB, 1 int8 matmuls 27 MiB"
         self.draft_model: LlamaModel | EagleHead | None = None
         spec = config.speculative
         if spec.enabled and spec.method == "draft":
