@@ -27,8 +27,8 @@ import torch
 from specserve import SamplingParams
 from specserve.llm import LLM
 from specserve.model.attention import build_metadata
-from specserve.model.llama import LlamaModel
 from specserve.model.kernels import load_cpu_kernels
+from specserve.model.llama import LlamaModel
 from specserve.platform import cpu_has_native_bf16, detect
 from specserve.sample.sampler import RequestSamplingState, process_logits
 from specserve.spec.controller import SpecController

@@ -326,6 +326,124 @@ def run_hf_peer(model_path: str | None, spec: dict[str, Any], prompts: list[list
     return res
 
 
+# -- peer: llama.cpp (llama-cpp-python) on the same GGUF, in its own process ----------------------------------
+LLAMA_CPP_PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_peer.py")
+LLAMA_CPP_DEFAULT_PYTHON = "/tmp/llama-venv/bin/python"
+LLAMA_CPP_ENV = "SPECSERVE_LLAMA_CPP_PYTHON"
+
+
+def find_llama_cpp_python(explicit: str | None = None) -> str:
+    """The interpreter that runs the llama.cpp peer: ``--peer-python``, else ``$SPECSERVE_LLAMA_CPP_PYTHON``,
+    else this interpreter when it can import ``llama_cpp``, else /tmp/llama-venv/bin/python; never a dependency
+    of specserve itself."""
+    import importlib.util
+
+    from specserve.config import SpecserveError
+
+    for given, what in ((explicit, "--peer-python"), (os.environ.get(LLAMA_CPP_ENV), LLAMA_CPP_ENV)):
+        if given:
+            if not (os.path.isfile(given) and os.access(given, os.X_OK)):
+                raise SpecserveError(f"{what}={given} is not an executable Python interpreter")
+            return given
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return sys.executable
+    if os.path.isfile(LLAMA_CPP_DEFAULT_PYTHON) and os.access(LLAMA_CPP_DEFAULT_PYTHON, os.X_OK):
+        return LLAMA_CPP_DEFAULT_PYTHON
+    raise SpecserveError(
+        f"--peer llama.cpp: no Python with llama_cpp found (--peer-python, ${LLAMA_CPP_ENV}, this interpreter, "
+        f"{LLAMA_CPP_DEFAULT_PYTHON}); build one with `../shared/peers/build_llama_cpp.sh /tmp/llama-venv`")
+
+
+def llama_cpp_model_path(model: str | None) -> str:
+    """The GGUF llama.cpp loads: specserve's own model file (the demo model by default)."""
+    from specserve.model.loader import default_model_path
+
+    gguf = model or default_model_path()
+    if not (gguf.endswith(".gguf") and os.path.isfile(gguf)):
+        raise ValueError(f"--peer llama.cpp needs a .gguf model file, got {gguf}")
+    return gguf
+
+
+def check_llama_cpp_python(python: str) -> str:
+    """Fail fast (before the specserve sweep) when ``python`` cannot import llama_cpp; returns its version."""
+    import subprocess
+
+    from specserve.config import SpecserveError
+
+    proc = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise SpecserveError(f"--peer llama.cpp: {python} cannot import llama_cpp ({last}); build a peer venv "
+                             f"with `../shared/peers/build_llama_cpp.sh /tmp/llama-venv`")
+    return proc.stdout.strip()
+
+
+def call_llama_cpp_peer(python: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run ``llama_cpp_peer.py`` with ``python``: settings in a temporary JSON file, results read back."""
+    import json
+    import subprocess
+    import tempfile
+
+    from specserve.config import SpecserveError
+
+    with tempfile.TemporaryDirectory(prefix="specserve-llama-cpp-") as tmp:
+        src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
+        with open(src, "w", encoding="utf-8") as f:
+            json.dump(cfg, f)
+        proc = subprocess.run([python, LLAMA_CPP_PEER_SCRIPT, src, dst], capture_output=True, text=True)
+        res: dict[str, Any] = {}
+        if os.path.exists(dst):
+            with open(dst, encoding="utf-8") as f:
+                res = json.load(f)
+    if proc.returncode != 0 or "error" in res or "runs" not in res:
+        why = res.get("error") or (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise SpecserveError(f"llama.cpp peer ({python}) failed: {why}")
+    return res
+
+
+def run_llama_cpp_peer(python: str, model_path: str, prompts: list[list[int]], max_tokens: int, repeats: int,
+                       ignore_eos: bool, eos_ids, n_threads: int, reference: list[list[int]],
+                       batch1: dict[str, Any] | None) -> dict[str, Any]:
+    """llama.cpp at batch 1, greedy, the same prompt token ids, ``n_threads`` threads (prefill and decode);
+    tok/s = generated tokens / seconds over the run's prompts, prefill included (specserve's definition);
+    median over ``repeats``; ratios specserve / llama.cpp for the batch-1 off and on figures."""
+    cfg = {"model_path": model_path, "prompts": prompts, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
+           "eos_token_ids": sorted(eos_ids), "repeats": repeats, "n_threads": n_threads, "n_batch": 512}
+    raw = call_llama_cpp_peer(python, cfg)
+    peer_tps = raw["tok_s_median"]
+
+    def strip(t: list[int]) -> list[int]:
+        while t and t[-1] in eos_ids:
+            t = t[:-1]
+        return t
+
+    pairs = [(strip(a), strip(b)) for a, b in zip(raw["outputs"], reference, strict=True)]
+    agree = sum(a == b for a, b in pairs)
+    diverge_at = [None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                  for a, b in pairs]
+    notes = [
+        f"llama-cpp-python {raw['llama_cpp_version']} in its own process ({python}); n_threads = n_threads_batch "
+        f"= {raw['n_threads']}, n_batch 512, batch 1, greedy (temp 0, top_k 1), the same prompt token ids.",
+        "tok/s = generated tokens / wall seconds over all prompts of a run (prefill included, KV emptied before "
+        "every prompt), as specserve's tok/s; median over repeats; run after specserve's sweep.",
+        "same tokens: llama.cpp output equals specserve's greedy output without speculation (trailing EOS "
+        "ignored); llama.cpp computes with the GGUF's own weight types, so near-ties can differ.",
+    ]
+    res: dict[str, Any] = {"name": "llama.cpp", "tok_s": peer_tps, "python": python,
+                           "llama_cpp_version": raw["llama_cpp_version"], "n_threads": raw["n_threads"],
+                           "n_ctx": raw["n_ctx"], "raw": {k: v for k, v in raw.items() if k != "outputs"},
+                           "modes": {}, "notes": notes}
+    if batch1:
+        for side in ("off", "on"):
+            tps = batch1[f"{side}_tok_s"]
+            res[f"{side}_vs_peer"] = tps / peer_tps if tps and peer_tps else None
+            res["modes"][f"specserve {side} (batch 1)"] = {"tok_s": tps, "agree": None, "num_prompts": len(prompts)}
+    res["modes"]["llama.cpp"] = {"tok_s": peer_tps, "agree": agree, "num_prompts": len(prompts),
+                                 "diverge_at": diverge_at, "runs_tok_s": [r["tok_s"] for r in raw["runs"]]}
+    return res
+
+
 # -- prompts --------------------------------------------------------------------------------------------------
 def prompt_ids(tokenizer, items: list[Item], num_prompts: int, max_model_len: int, max_tokens: int
                ) -> list[list[int]]:
@@ -369,7 +487,14 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens tokens")
-    p.add_argument("--peer", choices=["hf"], default=None, help="also run HF transformers generate (batch 1)")
+    p.add_argument("--peer", choices=["hf", "llama.cpp"], action="append", default=None,
+                   help="also run a peer at batch 1 on the same prompt ids (repeatable): hf = HF transformers "
+                        "generate in this process; llama.cpp = llama-cpp-python on the same GGUF, own process")
+    p.add_argument("--peer-python", default=None,
+                   help=f"llama.cpp: interpreter with llama_cpp (default: ${LLAMA_CPP_ENV}, this one if it has "
+                        f"llama_cpp, else {LLAMA_CPP_DEFAULT_PYTHON})")
+    p.add_argument("--peer-threads", type=int, default=None,
+                   help="llama.cpp: n_threads (default: specserve's torch.get_num_threads())")
     p.add_argument("--out", default=None, help="write results.json, report.md and PNG plots here")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_offline)
@@ -396,6 +521,11 @@ def cmd_offline(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts, --repeats and --max-tokens must be >= 1")
     items = load_dataset(args.dataset)
     model = model_arg(args)
+    peers = args.peer or []
+    if "llama.cpp" in peers:  # fail fast, before the sweep
+        gguf = llama_cpp_model_path(model)
+        peer_python = find_llama_cpp_python(args.peer_python)
+        check_llama_cpp_python(peer_python)
     llm = build_llm(model, engine_kwargs(args))
     prompts = prompt_ids(llm.tokenizer, items, args.num_prompts, llm.engine.max_model_len, args.max_tokens)
     if max(batch_sizes) > len(prompts):
@@ -411,10 +541,22 @@ def cmd_offline(args: argparse.Namespace) -> int:
     print(f"\nspeculation: {spec['method']} k<={spec['num_speculative_tokens']} "
           f"adaptive={spec['adaptive']}; dataset {args.dataset}, {len(prompts)} prompts, "
           f"max_tokens {args.max_tokens}, median of {args.repeats}")
-    print(report.offline_table(batches))
-    if args.peer == "hf":
-        b1 = next((b for b in batches if b["batch_size"] == 1), None)
-        ref = run_once(llm, prompts, 1, args.max_tokens, False, args.ignore_eos).outputs
+    b1 = next((b for b in batches if b["batch_size"] == 1), None)
+    ref = run_once(llm, prompts, 1, args.max_tokens, False, args.ignore_eos).outputs if peers else []
+    if "llama.cpp" in peers:
+        import torch
+
+        threads = args.peer_threads or torch.get_num_threads()
+        doc["llama_cpp"] = run_llama_cpp_peer(peer_python, gguf, prompts, args.max_tokens, args.repeats,
+                                              args.ignore_eos, llm.engine.eos_token_ids, threads, ref, b1)
+        doc["llama_cpp"]["specserve_threads"] = torch.get_num_threads()
+        print(f"llama.cpp peer: llama-cpp-python {doc['llama_cpp']['llama_cpp_version']}, n_threads {threads} "
+              f"(specserve torch threads {torch.get_num_threads()}), batch 1, median of {args.repeats}")
+    print(report.offline_table(batches, peer=doc.get("llama_cpp")))
+    if "llama.cpp" in peers:
+        print("\npeer llama.cpp (batch 1, greedy):")
+        print(report.table(report.peer_rows(doc["llama_cpp"]), ["engine", "tok/s", "same tokens"]))
+    if "hf" in peers:
         doc["peer"] = run_hf_peer(model, spec, prompts, args.max_tokens, args.repeats, args.ignore_eos,
                                   llm.engine.eos_token_ids, ref, b1)
         print("\npeer (batch 1, greedy):")

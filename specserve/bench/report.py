@@ -103,8 +103,18 @@ def offline_rows(batches: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def offline_table(batches: list[dict[str, Any]], markdown: bool = False) -> str:
-    return table(offline_rows(batches), OFFLINE_HEADERS, markdown)
+def offline_table(batches: list[dict[str, Any]], markdown: bool = False, peer: dict[str, Any] | None = None) -> str:
+    """With ``peer`` (a batch-1 peer such as llama.cpp: ``name``, ``tok_s``): its tok/s and the ratios
+    specserve off / peer and on / peer next to specserve's figures, on the batch-1 row."""
+    headers, rows = list(OFFLINE_HEADERS), offline_rows(batches)
+    if peer:
+        name = peer.get("name", "peer")
+        headers[3:3] = [f"{name} tok/s", f"off/{name}", f"on/{name}"]
+        for b, r in zip(batches, rows, strict=True):
+            one = b["batch_size"] == 1
+            r[3:3] = [_fmt(peer["tok_s"], ".2f") if one else "-", _fmt(peer.get("off_vs_peer") if one else None, ".3f"),
+                      _fmt(peer.get("on_vs_peer") if one else None, ".3f")]
+    return table(rows, headers, markdown)
 
 
 OFFLINE_LEGEND = """\
@@ -123,6 +133,9 @@ OFFLINE_LEGEND = """\
   k T_draft(B)), with the controller's fitted T_target. **eff** = ratio / ideal. ideal and model describe a
   drafting pass: with "drafted" well below 100% the engine mostly decoded without drafts, and eff can exceed 1.
 - **mismatch**: requests whose greedy output with speculation differs from the output without it.
+- with `--peer llama.cpp`: **llama.cpp tok/s** (batch 1, same prompt ids, greedy, same thread count, tok/s
+  defined as above, median over repeats) and **off/llama.cpp**, **on/llama.cpp** = specserve batch-1 tok/s
+  over it (> 1: specserve is faster).
 """
 
 
@@ -130,6 +143,8 @@ def peer_rows(peer: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name, r in peer["modes"].items():
         agree = "-" if r.get("agree") is None else f"{r['agree']}/{r['num_prompts']}"
+        if any(d is not None for d in r.get("diverge_at") or []):  # first differing output token per prompt
+            agree += " (differ from token " + ", ".join("-" if d is None else str(d) for d in r["diverge_at"]) + ")"
         rows.append([name, _fmt(r["tok_s"], ".2f"), agree])
     return rows
 
@@ -182,8 +197,8 @@ def offline_markdown(doc: dict[str, Any], plots: list[str]) -> str:
     a = doc["args"]
     lines += [f"Model: `{doc['model']}`; speculation: `{json.dumps(doc['speculative'])}`; dataset "
               f"`{a['dataset']}` ({doc['num_prompts']} prompts); max_tokens {a['max_tokens']}; "
-              f"repeats {a['repeats']} (medians); greedy.", "", offline_table(doc["batches"], markdown=True), "",
-              OFFLINE_LEGEND]
+              f"repeats {a['repeats']} (medians); greedy.", "",
+              offline_table(doc["batches"], markdown=True, peer=doc.get("llama_cpp")), "", OFFLINE_LEGEND]
     for b in doc["batches"]:
         for ex in b.get("mismatch_examples", []):
             lines.append(f"- batch {b['batch_size']}: request {ex['request']} diverges at output token "
@@ -191,6 +206,11 @@ def offline_markdown(doc: dict[str, Any], plots: list[str]) -> str:
     if doc.get("peer"):
         p = doc["peer"]
         lines += ["", "## Peer: HF transformers `generate` (batch 1, greedy, same prompts)", "",
+                  table(peer_rows(p), ["engine", "tok/s", "same tokens as specserve (off)"], markdown=True), ""]
+        lines += [f"- {n}" for n in p.get("notes", [])]
+    if doc.get("llama_cpp"):
+        p = doc["llama_cpp"]
+        lines += ["", "## Peer: llama.cpp (llama-cpp-python, same GGUF, batch 1, greedy, same prompt ids)", "",
                   table(peer_rows(p), ["engine", "tok/s", "same tokens as specserve (off)"], markdown=True), ""]
         lines += [f"- {n}" for n in p.get("notes", [])]
     lines += [""] + [f"![{os.path.splitext(os.path.basename(p))[0]}]({os.path.basename(p)})" for p in plots]

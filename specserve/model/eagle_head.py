@@ -13,10 +13,9 @@ layer (``config.json`` with ``"specserve_draft": "eagle"`` + ``model.safetensors
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 

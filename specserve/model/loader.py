@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -367,7 +367,8 @@ def _gguf_arch(g: GGUFFile, f: Any, file: str) -> ModelArch:
         if (orig := get("rope.scaling.original_context_length", None)) is not None:
             scaling["original_max_position_embeddings"] = int(orig)
     if (freqs := tensors.get("rope_freqs.weight")) is not None:
-        scaling = _llama3_scaling(read_gguf_tensor(f, freqs, file).double().numpy(), theta, head_dim, file)
+        freq_table = cast(torch.Tensor, read_gguf_tensor(f, freqs, file))  # F32: never kept quantized
+        scaling = _llama3_scaling(freq_table.double().numpy(), theta, head_dim, file)
     return _plausible(ModelArch(
         architecture=kind,
         vocab_size=int(vocab),

@@ -53,8 +53,11 @@ class QuantizedTensor:
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
         """The rows ``index`` (GGUF's q/k un-permutation reorders output rows)."""
-        pick = lambda t: None if t is None else t.index_select(0, index).contiguous()  # noqa: E731
-        return QuantizedTensor(self.bits, pick(self.codes), pick(self.scales), pick(self.mins))
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, index).contiguous()
+
+        mins = None if self.mins is None else pick(self.mins)
+        return QuantizedTensor(self.bits, pick(self.codes), pick(self.scales), mins)
 
 
 def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
@@ -129,6 +132,10 @@ class DenseWeight(PackedWeight):
 class _Quantized(PackedWeight):
     """Shared state of the kernel-backed weights: scales/mins as fp32 buffers, the dequantized reference."""
 
+    scales: torch.Tensor  # [N, K // GROUP] float32
+    mins: torch.Tensor | None
+    packed: torch.Tensor  # the codes in the layout the kernel reads
+
     def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
         super().__init__(tuple(qt.shape))  # type: ignore[arg-type]
         self.bits = qt.bits
@@ -188,6 +195,7 @@ class TritonQuantWeight(_Quantized):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         from specserve.model.triton_quant import int4_matmul
 
+        assert self.mins is not None  # 4-bit weights always carry mins
         return int4_matmul(x.contiguous(), self.packed, self.scales, self.mins, GROUP)
 
 
