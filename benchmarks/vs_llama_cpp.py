@@ -11,7 +11,7 @@ GGUF, its own process, n_threads = T) on the same chat-templated prompt ids. So 
 interleaved round by round; medians over rounds are printed with the ratio to llama.cpp. tok/s everywhere =
 generated tokens / wall seconds of a run over its prompts, prefill included.
 
-    .venv/bin/python benchmarks/vs_llama_cpp.py                                  # make serve's flags, T = cores - 1
+    .venv/bin/python benchmarks/vs_llama_cpp.py                                  # make serve's flags, T = every core
     .venv/bin/python benchmarks/vs_llama_cpp.py --threads 1,2 --quantization auto   # unknown flags go to specserve
     .venv/bin/python benchmarks/vs_llama_cpp.py --spec-args '--speculative-method ngram --num-speculative-tokens 5'
 
@@ -71,7 +71,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .gguf (default: the embedded demo model)")
     ap.add_argument("--datasets", default="chat,code")
-    ap.add_argument("--threads", default=None, help="comma-separated thread counts (default: cores - 1)")
+    ap.add_argument("--threads", default=None, help="comma-separated thread counts (default: every core, as serve uses)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -87,7 +87,7 @@ def main() -> int:
     from specserve.model.loader import default_model_path
     from specserve.platform import available_cores, cpu_has_native_bf16
 
-    thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [max(1, available_cores() - 1)]
+    thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [available_cores()]
     datasets = args.datasets.split(",")
     out = args.out or tempfile.mkdtemp(prefix="vs_llama_cpp-")
     tok_s: dict[tuple[int, str, str], list[float]] = {}
