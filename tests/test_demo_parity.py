@@ -28,7 +28,9 @@ def hf_model(demo_model_path):
 def llm():
     from specserve.llm import LLM
 
-    return LLM(None, num_blocks=256, dtype="float32")  # parity with HF in fp32 (the CPU default may be bf16)
+    # Parity with HF in fp32 over the same dequantized weights: HF dequantizes the GGUF at load, and the CPU
+    # default (quantization auto) would keep it 4-bit; tests/test_quant.py checks that path against this one.
+    return LLM(None, num_blocks=256, dtype="float32", quantization="none")
 
 
 @pytest.mark.slow

@@ -189,3 +189,26 @@ def _last_logits(llm, tokens: list[int]) -> torch.Tensor:
     kv = [torch.zeros(model.kv_cache_shape(blocks, bs)) for _ in range(model.arch.num_layers)]
     hidden = model(torch.tensor(tokens), torch.arange(n), kv, build_metadata([n], [n], [list(range(blocks))], bs))
     return model.compute_logits(hidden).float()
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    """A bad --quantization value, and int4 over a weight whose input size is not a multiple of 32: exit 2 with
+    one error line, no traceback."""
+    from specserve.cli import main
+    from tests.helpers import tiny_hf_model, write_char_tokenizer
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--quantization", "fp4", "--prompt", "x"])
+    assert e.value.code == 2 and "invalid choice: 'fp4'" in capsys.readouterr().err
+    model = tiny_hf_model("llama", hidden_size=48, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2)
+    model.save_pretrained(tmp_path)
+    write_char_tokenizer(str(tmp_path), model.config.vocab_size)
+    capsys.readouterr()  # drop save_pretrained's progress bar
+    args = ["generate", "--model", str(tmp_path), "--device", "cpu", "--prompt", "x", "--max-tokens", "2"]
+    if detect("cpu").quant_kernels == "cpu" and load_cpu_kernels():
+        assert main(args + ["--quantization", "int4"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not a multiple of the group size 32" in err[0], err
+        assert err[0].startswith("specserve: error:") and "--quantization none" in err[0]
+    assert main(args + ["--quantization", "auto"]) == 0  # a float checkpoint: auto leaves it float

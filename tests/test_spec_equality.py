@@ -668,12 +668,25 @@ def test_demo_model_bf16_bit_exact(method):
     """The demo model in bf16 (the CPU default where the hardware has bf16), n-gram k = 5, the shipped EAGLE
     head k = 3 and the head with --prompt-lookup-first k = 5, batch 8 and batch 1: speculative output equals
     plain output token for token (no near-tie rule)."""
+    demo_bit_exact(method, "bfloat16")
+
+
+@pytest.mark.slow
+@needs_cpu_kernels
+@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle+lookup"])
+def test_demo_model_quantized_fp32_bit_exact(method):
+    """The same on the demo GGUF kept quantized (--quantization auto) in fp32 with the AVX2 kernels: every
+    kernel is row-invariant, so speculative output equals plain output token for token."""
+    demo_bit_exact(method, "float32")
+
+
+def demo_bit_exact(method: str, dtype: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=24)
     kw: dict[str, Any] = {"speculative_method": method, "num_speculative_tokens": 3 if method == "eagle" else 5}
     if method.startswith("eagle"):
         kw.update(speculative_method="eagle", speculative_model=SHIPPED_HEAD,
                   prompt_lookup_first=method == "eagle+lookup")
-    llm = LLM(None, num_blocks=256, max_num_seqs=8, dtype="bfloat16", device="cpu", speculative_adaptive=False, **kw)
+    llm = LLM(None, num_blocks=256, max_num_seqs=8, dtype=dtype, device="cpu", speculative_adaptive=False, **kw)
     tok = llm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in DEMO_CHATS] + [tok.encode(DEMO_CODE)]
 
