@@ -136,6 +136,42 @@ def test_fused_ops_match_torch_ops():
     assert (caches[0] - caches[1]).abs().max().item() < 1e-5
 
 
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_decoder_layer_equals_per_op_path(tmp_path, family):
+    """A layer whose matmuls are all quantized runs as one ``decoder_layer`` call; its results (prefill,
+    decode, a 4-token verification, and a layer a float weight keeps on the per-op path) equal the per-op
+    path's bit for bit. qwen2 adds the q/k/v bias."""
+    from specserve.model.loader import load_checkpoint
+    from specserve.model.ops import _fused_weights
+    from specserve.worker.model_runner import build_model
+    from tests.helpers import tiny_hf_model
+
+    tiny_hf_model(family, layers=3).save_pretrained(tmp_path)
+    model = build_model(load_checkpoint(str(tmp_path)), detect("cpu"), torch.float32, 128, "int4")
+    assert isinstance(model.ops, CpuFusedOps)
+    layers = model.decoder_layers
+    layers[2].mlp.down = DenseWeight(layers[2].mlp.down.dequantize())  # this layer cannot be fused
+    kv0 = torch.zeros(model.kv_cache_shape(8, 16))
+    assert _fused_weights(layers[0], kv0) is not None and _fused_weights(layers[2], kv0) is None
+
+    class PerOp(CpuFusedOps):
+        layer = TorchOps.layer
+
+    def run(ops: TorchOps) -> list[torch.Tensor]:
+        model.ops = ops
+        kv = [torch.zeros(model.kv_cache_shape(8, 16)) for _ in layers]
+        ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0))
+        outs = []
+        for start, n in ((0, 30), (30, 1), (31, 5)):  # prefill, decode, verification
+            meta = build_metadata([n], [start + n], [[0, 1, 2, 3]], 16)
+            outs.append(model.compute_logits(model(ids[start:start + n], torch.arange(start, start + n), kv, meta)))
+        return outs + kv
+
+    fused, per_op = run(CpuFusedOps()), run(PerOp())
+    assert all(torch.equal(a, b) for a, b in zip(fused, per_op))
+
+
 def test_packer_policy():
     sd = {"model.layers.0.mlp.down_proj.weight": torch.randn(8, 64), "lm_head.weight": torch.randn(16, 64)}
     cpu = torch.device("cpu")

@@ -101,10 +101,7 @@ class LlamaModel(nn.Module):
         kept: list[torch.Tensor] = []
         ops, delta = self.ops, None  # delta: the last sublayer's output, added to h by the next add_norm
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches), start=1):
-            h, x = ops.add_norm(h, delta, layer.input_norm)
-            delta = layer.attn(x, positions, self.rope, kv_cache, meta, self.backend, ops)
-            h, x = ops.add_norm(h, delta, layer.post_norm)
-            delta = layer.mlp(x)
+            h, delta = ops.layer(layer, h, delta, positions, self.rope, kv_cache, meta, self.backend)
             if i in taps:
                 kept.append(h + delta)
         if delta is not None:

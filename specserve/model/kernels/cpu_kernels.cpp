@@ -382,6 +382,49 @@ at::Tensor rope_write_kv(const at::Tensor& qkv_in, const at::Tensor& positions, 
   return q;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// One whole decoder layer (Llama-style: pre-norm attention and gated SiLU MLP) in one call, so a decode step
+// costs one dispatch per layer instead of about fifteen. It calls exactly the functions the per-op path
+// calls, in the same order, so its result is bit-for-bit that path's. A matmul weight is (codes, scale, mins):
+// 4-bit when mins is given, 8-bit codes otherwise.
+at::Tensor qmm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+               const c10::optional<at::Tensor>& mins) {
+  return mins.has_value() ? mm<true>(x, codes, scale, mins) : mm<false>(x, codes, scale, c10::nullopt);
+}
+
+// (h + delta, the layer's output delta); h + delta is the residual stream after the previous layer (delta
+// None: h itself, the first layer). Neither h nor delta is modified.
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    const at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const at::Tensor& qkv_codes, const at::Tensor& qkv_scale,
+    const c10::optional<at::Tensor>& qkv_mins, const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_codes,
+    const at::Tensor& o_scale, const c10::optional<at::Tensor>& o_mins, const at::Tensor& gate_up_codes,
+    const at::Tensor& gate_up_scale, const c10::optional<at::Tensor>& gate_up_mins, const at::Tensor& down_codes,
+    const at::Tensor& down_scale, const c10::optional<at::Tensor>& down_mins, const at::Tensor& positions,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t H,
+    int64_t Hkv, double scale) {
+  at::Tensor res, x;
+  if (delta.has_value()) {
+    std::tie(res, x) = add_rms_norm(h, *delta, input_norm, eps);
+  } else {
+    res = h.contiguous().clone();
+    x = rms_norm(res, input_norm, eps);
+  }
+  at::Tensor qkv = qmm(x, qkv_codes, qkv_scale, qkv_mins);
+  if (qkv_bias.has_value()) qkv = qkv + *qkv_bias;
+  const at::Tensor q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, H, Hkv);
+  const at::Tensor a = paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scale);
+  const at::Tensor o = qmm(a.reshape({a.size(0), -1}), o_codes, o_scale, o_mins);
+  const int64_t Hd = res.size(-1);  // res += o, x = norm(res): in place (res is this call's own tensor)
+  add_rms_norm_rows(res.data_ptr<float>(), o.data_ptr<float>(), post_norm.contiguous().data_ptr<float>(),
+                    x.data_ptr<float>(), res.numel() / Hd, Hd, eps);
+  const at::Tensor gu = qmm(x, gate_up_codes, gate_up_scale, gate_up_mins);
+  const int64_t inter = gu.size(1) / 2;
+  const at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
+  return {res, qmm(act, down_codes, down_scale, down_mins)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specserve_cpu, m) {
@@ -393,6 +436,12 @@ TORCH_LIBRARY(specserve_cpu, m) {
   m.def("q8_mm(Tensor x, Tensor codes, Tensor scale) -> Tensor");
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale) -> Tensor");
+  m.def("decoder_layer(Tensor h, Tensor? delta, Tensor input_norm, Tensor post_norm, float eps, "
+        "Tensor qkv_codes, Tensor qkv_scale, Tensor? qkv_mins, Tensor? qkv_bias, Tensor o_codes, Tensor o_scale, "
+        "Tensor? o_mins, Tensor gate_up_codes, Tensor gate_up_scale, Tensor? gate_up_mins, Tensor down_codes, "
+        "Tensor down_scale, Tensor? down_mins, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_heads, "
+        "int num_kv_heads, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
@@ -402,4 +451,5 @@ TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("rope_write_kv", rope_write_kv);
+  m.impl("decoder_layer", decoder_layer);
 }
