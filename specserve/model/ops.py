@@ -96,7 +96,7 @@ def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[Any, ..
     cached = layer.__dict__.get("_fused_weights")
     if cached is not None and cached[0] is a.qkv:
         return cached[1]
-    mats = (a.qkv, a.o, mlp.gate_up, mlp.down)
+    mats: tuple[Any, ...] = (a.qkv, a.o, mlp.gate_up, mlp.down)
     ok = (all(isinstance(w, CpuQuantWeight) for w in mats) and layer.input_norm.chunks == 1
           and layer.post_norm.chunks == 1 and kv_cache.shape[-1] % 8 == 0 and kv_cache.dtype == torch.float32
           and layer.input_norm.eps == layer.post_norm.eps and getattr(mlp, "activation", "silu") == "silu")
