@@ -90,17 +90,24 @@ void tile(const Rows& xq, int64_t K, const uint8_t* q, const float* sc, const fl
         w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 32)));
         w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 32 + 16)));
       }
+      const __m256 ws = _mm256_broadcast_ss(sn + g);
       for (int r = 0; r < R; ++r) {
         const int64_t row = (m0 + r) * G + g;
         const int16_t* xr = xq.q.data() + row * kGroup;
         const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
                                            _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16))));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sn[g] * xq.d[row]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(ws, _mm256_broadcast_ss(xq.d.data() + row)), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
       float m = 0.f;
-      if constexpr (kQ4) { const float* mn = mins + n * G; const float* xs = xq.sum.data() + (m0 + r) * G; for (int64_t g = 0; g < G; ++g) m += mn[g] * xs[g]; }
+      if constexpr (kQ4) {  // the min term: sum over groups of min * sum(x), 8 groups at a time
+        const float* mn = mins + n * G; const float* xs = xq.sum.data() + (m0 + r) * G;
+        __m256 mv = _mm256_setzero_ps(); int64_t g = 0;
+        for (; g + 8 <= G; g += 8) mv = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xs + g), mv);
+        m = hsum(mv);
+        for (; g < G; ++g) m += mn[g] * xs[g];
+      }
       y[(m0 + r) * N + n] = hsum(acc[r]) + m;
     }
   }
