@@ -16,7 +16,7 @@ generated tokens / wall seconds of a run over its prompts, prefill included.
     .venv/bin/python benchmarks/vs_llama_cpp.py --spec-args '--speculative-method ngram --num-speculative-tokens 5'
 
 The peer interpreter: ``--peer-python``, else $SPECSERVE_LLAMA_CPP_PYTHON, else /tmp/llama-venv/bin/python (built by
-``../shared/peers/build_llama_cpp.sh /tmp/llama-venv``).
+``benchmarks/build_llama_cpp.sh /tmp/llama-venv``).
 """
 
 from __future__ import annotations

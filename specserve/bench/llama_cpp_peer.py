@@ -1,7 +1,7 @@
 """llama.cpp as a measured peer of `specserve bench offline`: a standalone script (stdlib + ``llama_cpp`` only).
 
 specserve's venv does not have llama-cpp-python, so ``specserve.bench.offline`` runs this file by its path with
-an interpreter that has it (``../shared/peers/build_llama_cpp.sh`` builds one into /tmp/llama-venv):
+an interpreter that has it (``benchmarks/build_llama_cpp.sh`` builds one into /tmp/llama-venv):
 
     PYTHON specserve/bench/llama_cpp_peer.py IN.json OUT.json
 

@@ -351,7 +351,7 @@ def find_llama_cpp_python(explicit: str | None = None) -> str:
         return LLAMA_CPP_DEFAULT_PYTHON
     raise SpecserveError(
         f"--peer llama.cpp: no Python with llama_cpp found (--peer-python, ${LLAMA_CPP_ENV}, this interpreter, "
-        f"{LLAMA_CPP_DEFAULT_PYTHON}); build one with `../shared/peers/build_llama_cpp.sh /tmp/llama-venv`")
+        f"{LLAMA_CPP_DEFAULT_PYTHON}); build one with `benchmarks/build_llama_cpp.sh /tmp/llama-venv`")
 
 
 def llama_cpp_model_path(model: str | None) -> str:
@@ -375,7 +375,7 @@ def check_llama_cpp_python(python: str) -> str:
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
         raise SpecserveError(f"--peer llama.cpp: {python} cannot import llama_cpp ({last}); build a peer venv "
-                             f"with `../shared/peers/build_llama_cpp.sh /tmp/llama-venv`")
+                             f"with `benchmarks/build_llama_cpp.sh /tmp/llama-venv`")
     return proc.stdout.strip()
 
 
