@@ -42,7 +42,6 @@ class SchedulerOutput:
     rows: list[ScheduledRequest]
     new_requests: list[NewRequestData]
     finished_req_ids: list[str]  # finished or aborted since the last step: the worker drops their state
-    num_lookahead_tokens: int
     total_tokens: int
 
     @property

@@ -91,7 +91,6 @@ class Request:
     spec_enabled: bool = True  # per-request switch (e.g. the API's `speculative: false`)
     stop_reason: int | str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
-    first_token_time: float | None = None
     group_id: str | None = None  # n > 1: siblings share the prompt (scheduled after the first prefill)
 
     def __post_init__(self) -> None:

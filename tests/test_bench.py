@@ -145,7 +145,7 @@ def test_bench_offline_end_to_end(tiny_model, tmp_path, capsys, one_thread):
     assert [b["batch_size"] for b in doc["batches"]] == [1, 2]
     for b in doc["batches"]:
         assert b["off_tok_s"] > 0 and b["on_tok_s"] > 0 and b["num_requests"] == 2
-        assert len(b["runs"]) == 2 and b["mismatches"] >= 0
+        assert len(b["runs"]) == 2 and b["mismatches"] == 0  # fp32 tiny model, greedy: speculation exact
         if b["k_used"] is not None:
             assert 0 < b["k_used"] <= 3 and 0 <= b["acceptance_rate"] <= 1
     peer = doc["peer"]["modes"]

@@ -15,20 +15,21 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. Th
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_equality_with_speculation_on_gpu(dtype):
+    """Speculation on vs off, greedy: equal, or diverging only at a near-tie of the reference (the rule of
+    docs/speculation.md). bf16 logits are coarser: a near-tie there is one bf16 step at |logit| in [16, 32)."""
     from specserve.llm import LLM
+    from tests.test_spec_equality import NEAR_TIE, assert_same
 
     sp = SamplingParams(temperature=0, max_tokens=48)
     llm = LLM(None, dtype=dtype, speculative_method="ngram", num_speculative_tokens=5,
               speculative_adaptive=False)
-    off = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, speculative=False)]
-    on = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
-    same = sum(a == b for a, b in zip(off, on))
-    print(f"{dtype}: {same}/{len(PROMPTS)} identical; spec metrics {llm.get_metrics()['speculative']}")
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    off = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=ids, speculative=False)]
+    on = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=ids)]
     assert llm.engine.runner.model.backend.__class__.__name__ == "TritonAttention"
-    if dtype == "float32":
-        assert same == len(PROMPTS)
-    else:  # bf16: batch-shape numerics may differ (SPECULATION.md): report, require most identical
-        assert same >= len(PROMPTS) - 1
+    ties = assert_same(f"gpu {dtype}", ids, off, on, llm.engine.runner.model,
+                       near_tie=NEAR_TIE if dtype == "float32" else 0.125)
+    print(f"{dtype}: near-ties {ties}; spec metrics {llm.get_metrics()['speculative']}")
 
 
 def test_graphs_match_eager_on_gpu():

@@ -156,8 +156,7 @@ class Scheduler:
             ))
             req.resumed = False
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(rows, new_reqs, finished, self.num_lookahead_tokens,
-                               sum(r.num_tokens for r in rows))
+        return SchedulerOutput(rows, new_reqs, finished, sum(r.num_tokens for r in rows))
 
     # -- after the step -------------------------------------------------------------------------------------
     def update(self, so: SchedulerOutput, ro: ModelRunnerOutput,

@@ -1,6 +1,6 @@
 """Choose each request's k (0 = no speculation) every step from measured acceptance and measured cost.
 
-Cost model (SPECULATION.md): a step with B decoding requests drafting k_i tokens each costs
+Cost model (docs/speculation.md): a step with B decoding requests drafting k_i tokens each costs
 ``T_target(B + sum k_i tokens) + max k_i * T_draft(#drafting)``, versus ``T_target(B)`` without speculation.
 With i.i.d. per-token acceptance a, a pass emits ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens (Leviathan et
 al. 2023, eq. 1). Acceptance is not i.i.d. in practice (an n-gram match that survives its first token tends to
@@ -170,10 +170,6 @@ class SpecController:
             return list(g)
         return [(a + w * p) / (t + w) for a, t, p in zip(acc.acc, acc.tried, g)]
 
-    def alpha(self, req_id: str, source: str = "") -> float:
-        """The first draft's acceptance probability (c_1)."""
-        return self.rates(req_id, source)[0]
-
     def gains(self, req_id: str, source: str = "") -> list[float]:
         """m_j = c_1 ... c_j: expected tokens draft j adds (non-increasing in j)."""
         out, m = [], 1.0
@@ -183,10 +179,6 @@ class SpecController:
         return out
 
     # -- decision -------------------------------------------------------------------------------------------
-    def choose_k(self, req_ids: list[str], other_tokens: int = 0) -> int:
-        """The largest k of this step (see ``choose_ks``)."""
-        return max(self.choose_ks(req_ids, other_tokens), default=0)
-
     def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[str] | None = None) -> list[int]:
         """k per request for the next step of these decoding requests; ``other_tokens`` are prefill tokens
         sharing the step; ``sources[i]`` is where request i's drafts come from this step (default: one)."""

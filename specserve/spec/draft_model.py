@@ -3,7 +3,7 @@
 The draft shares the target's block tables. A separate draft model has its own KV tensors and its own
 notion of "computed": after verification its cache holds KV for drafts that may have been rejected, and
 none for the recovered/bonus token, so each proposal first feeds the tokens the draft has not seen
-(SPECULATION.md, "the draft's own KV"). Layer-skip self-drafting writes into the target's own cache for its
+(docs/architecture.md). Layer-skip self-drafting writes into the target's own cache for its
 first L layers: those values equal what the target computes for the same tokens, so the draft's valid
 prefix is simply the target's ``num_computed``.
 """

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from specserve.config import CheckpointError, EngineConfig, SpecserveError
+from specserve.config import EngineConfig, SpecserveError
 from specserve.model.attention import make_backend
 from specserve.model.eagle_head import EagleHead, load_eagle_head
 from specserve.model.llama import LlamaModel
@@ -381,4 +381,4 @@ def _available_memory(platform: Platform) -> float:
         return float(8 << 30)
 
 
-__all__ = ["ModelRunner", "CheckpointError"]
+__all__ = ["ModelRunner"]
