@@ -127,7 +127,7 @@ class SpeculativeConfig:
     draft_layers: int | None = None  # layer_skip: how many target layers the draft uses
     adaptive: bool = True
     # A model proposer (draft, eagle, layer_skip) that lets prompt lookup draft whenever the context repeats
-    # its last prompt_lookup_min tokens (spec/lookup_first.py).
+    # its last prompt_lookup_min tokens (spec_decode/lookup_first.py).
     prompt_lookup_first: bool = False
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from specserve.bench import offline, report, serve, workloads
 from specserve.cli import main as cli_main
-from specserve.spec.controller import expected_tokens, ideal_speedup
+from specserve.spec_decode.controller import expected_tokens, ideal_speedup
 from tests.helpers import tiny_hf_model, write_char_tokenizer
 
 

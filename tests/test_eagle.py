@@ -1,4 +1,4 @@
-"""EAGLE head in the engine (spec/eagle.py, worker/features.py): exactness, real speculation, plumbing.
+"""EAGLE head in the engine (spec_decode/eagle.py, worker/features.py): exactness, real speculation, plumbing.
 
 - Greedy output with the head equals greedy output without speculation (batch 1 and 4), and drafts were
   proposed and some accepted.

@@ -1,4 +1,4 @@
-"""--prompt-lookup-first (spec/lookup_first.py): routing between prompt lookup and the model proposer, and the
+"""--prompt-lookup-first (spec_decode/lookup_first.py): routing between prompt lookup and the model proposer, and the
 target features of lookup-drafted steps reaching the model proposer later, in order (the worker's
 FeatureBuffer). Engine exactness with it is in test_eagle.py (greedy equality, drafts equal to the dense
 forward)."""
@@ -11,8 +11,8 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.sample.sampler import RequestSamplingState
 from specserve.sampling_params import SamplingParams
-from specserve.spec.lookup_first import LookupFirstProposer
-from specserve.spec.proposer import Draft, ProposeRequest
+from specserve.spec_decode.lookup_first import LookupFirstProposer
+from specserve.spec_decode.proposer import Draft, ProposeRequest
 from specserve.worker.features import FeatureBuffer
 
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
+from specserve.sample import rejection_sampler as rejection
+from specserve.sample.rejection_sampler import verify
 from specserve.sample.sampler import RequestSamplingState, probs_from_logits, process_logits
 from specserve.sampling_params import SamplingParams
-from specserve.spec import rejection
-from specserve.spec.rejection import verify
 
 INF = float("inf")
 V = 12

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specserve.config import CheckpointError
+from specserve.sample.rejection_sampler import verify
 from specserve.sample.sampler import RequestSamplingState
 from specserve.sampling_params import SamplingParams
-from specserve.spec.rejection import verify
 
 
 @pytest.mark.parametrize("with_probs", [False, True])

@@ -31,7 +31,7 @@ from specserve.model.kernels import load_cpu_kernels
 from specserve.model.llama import LlamaModel
 from specserve.platform import cpu_has_native_bf16, detect
 from specserve.sample.sampler import RequestSamplingState, process_logits
-from specserve.spec.controller import SpecController
+from specserve.spec_decode.controller import SpecController
 from tests.helpers import tiny_hf_model, write_char_tokenizer
 
 METHODS = ("ngram", "layer_skip", "draft", "draft+lookup")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from specserve.config import EngineConfig, SpecserveError, SpeculativeConfig
-from specserve.spec.controller import SpecController, StepCost, expected_tokens, ideal_speedup
-from specserve.spec.ngram import NgramProposer, lookup
-from specserve.spec.proposer import ProposeRequest
+from specserve.spec_decode.controller import SpecController, StepCost, expected_tokens, ideal_speedup
+from specserve.spec_decode.ngram import NgramProposer, lookup
+from specserve.spec_decode.proposer import ProposeRequest
 from tests.helpers import tiny_hf_model
 
 

@@ -7,7 +7,7 @@ run (prompts cycled when B is larger); the prefix cache is reset before every me
 warm-up is excluded; off/on runs are interleaved (the order alternates per repeat) and medians are taken.
 
 Next to the measured ratio we print what the cost model of docs/speculation.md predicts from the *measured*
-acceptance and costs, using ``expected_tokens`` / ``ideal_speedup`` of ``specserve.spec.controller``.
+acceptance and costs, using ``expected_tokens`` / ``ideal_speedup`` of ``specserve.spec_decode.controller``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from specserve.bench import report
 from specserve.bench.workloads import Item, load_dataset
-from specserve.spec.controller import expected_tokens, ideal_speedup
+from specserve.spec_decode.controller import expected_tokens, ideal_speedup
 
 log = logging.getLogger("specserve.bench")
 
@@ -129,7 +129,7 @@ def cost_tap(controller) -> Iterator[tuple[list, list]]:
 def reset_controller(llm, adaptive: bool | None = None) -> None:
     """A fresh controller (no fitted costs, no acceptance history), adaptive or fixed-k, on the loaded
     engine: lets one process compare adaptive on and off without reloading the model."""
-    from specserve.spec.controller import SpecController
+    from specserve.spec_decode.controller import SpecController
 
     runner = llm.engine.runner
     if runner.controller is not None:

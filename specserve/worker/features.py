@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from specserve.model.eagle_head import EagleHead
 from specserve.model.llama import LlamaModel
 from specserve.outputs import ScheduledRequest
-from specserve.spec.eagle import EagleStep
+from specserve.spec_decode.eagle import EagleStep
 from specserve.worker.input_batch import flat_batch
 
 FeatureSink = Callable[[str, int, torch.Tensor], None]

@@ -24,14 +24,14 @@ from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import Platform, resolve_dtype, to_device
+from specserve.sample.rejection_sampler import verify
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
-from specserve.spec.controller import FREE_SOURCE, SpecController
-from specserve.spec.draft_model import DraftModelProposer
-from specserve.spec.eagle import EagleProposer
-from specserve.spec.lookup_first import LookupFirstProposer
-from specserve.spec.ngram import NgramProposer
-from specserve.spec.proposer import Proposer, ProposeRequest
-from specserve.spec.rejection import verify
+from specserve.spec_decode.controller import FREE_SOURCE, SpecController
+from specserve.spec_decode.draft_model import DraftModelProposer
+from specserve.spec_decode.eagle import EagleProposer
+from specserve.spec_decode.lookup_first import LookupFirstProposer
+from specserve.spec_decode.ngram import NgramProposer
+from specserve.spec_decode.proposer import Proposer, ProposeRequest
 from specserve.worker.features import FeatureBuffer, FeatureSink, eagle_step, sink_features
 from specserve.worker.graphs import CaptureBackend, GraphPlan, ModelStep, batch_buckets, select_capture
 

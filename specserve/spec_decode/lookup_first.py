@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.spec.controller import FREE_SOURCE
-from specserve.spec.ngram import lookup
-from specserve.spec.proposer import Draft, Proposer, ProposeRequest
+from specserve.spec_decode.controller import FREE_SOURCE
+from specserve.spec_decode.ngram import lookup
+from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
 
 
 class LookupFirstProposer:

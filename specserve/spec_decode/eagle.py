@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from specserve.spec.draft_model import DraftSampler, draft_chain
-from specserve.spec.proposer import Draft, ProposeRequest
+from specserve.spec_decode.draft_model import DraftSampler, draft_chain
+from specserve.spec_decode.proposer import Draft, ProposeRequest
 
 # (tokens per request, features h_{p-1} per request [n_i, hidden], first position per request, block ids)
 # -> ([B, vocab] logits at each request's last entry, [B, hidden] the head's predicted feature there).

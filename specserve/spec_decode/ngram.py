@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specserve.spec.proposer import Draft, ProposeRequest
+from specserve.spec_decode.proposer import Draft, ProposeRequest
 
 
 def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

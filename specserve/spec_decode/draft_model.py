@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from specserve.sample.sampler import RequestSamplingState, process_logits
-from specserve.spec.proposer import Draft, ProposeRequest
+from specserve.spec_decode.proposer import Draft, ProposeRequest
 
 # (tokens to feed per request, start position per request, block ids per request) -> [B, vocab] logits at
 # each request's last fed token. Built by the worker, so spec/ never imports worker/.
