@@ -176,7 +176,8 @@ def test_llm_greedy_with_graphs_equals_eager(ckpt, monkeypatch, spec):
 
 
 def test_enforce_eager_disables_graphs(ckpt, monkeypatch):
-    from specserve.cli import build_parser, engine_kwargs
+    from specserve.cli import build_parser
+    from specserve.engine_args import engine_kwargs
 
     monkeypatch.setenv(graphs.CAPTURE_ENV, "rerun")
     for argv in (["generate", "--enforce-eager"], ["serve", "--enforce-eager"],
@@ -189,7 +190,8 @@ def test_enforce_eager_disables_graphs(ckpt, monkeypatch):
 
 
 def test_gpu_memory_utilization_flag(capsys):
-    from specserve.cli import build_parser, engine_kwargs, main
+    from specserve.cli import build_parser, main
+    from specserve.engine_args import engine_kwargs
 
     args = build_parser().parse_args(["generate", "--gpu-memory-utilization", "0.5"])
     assert EngineConfig.from_kwargs(None, **engine_kwargs(args)).cache.gpu_memory_utilization == 0.5

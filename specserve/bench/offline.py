@@ -26,6 +26,7 @@ from typing import Any
 
 from specserve.bench import report
 from specserve.bench.workloads import Item, load_dataset
+from specserve.engine_args import engine_kwargs, model_arg
 from specserve.spec_decode.controller import expected_tokens, ideal_speedup
 
 log = logging.getLogger("specserve.bench")
@@ -513,7 +514,6 @@ def build_llm(model: str | None, kwargs: dict[str, Any]):
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from specserve.cli import engine_kwargs, model_arg
     from specserve.model.loader import default_model_path
 
     batch_sizes = parse_batch_sizes(args.batch_sizes)

@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "(or `pip install specserve[triton]`), or use the 'torch' backend"
     ) from exc
 
-from specserve.model.attention import AttentionMetadata
+from specserve.model.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256

@@ -34,13 +34,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specserve.config import EngineConfig
 from specserve.engine.async_engine import (
     AsyncEngine,
-    EngineClosedError,
 )
 from specserve.engine.engine import Engine
 from specserve.server import protocol as proto
 from specserve.server import webui
 from specserve.server.errors import APIError, as_api_error
-from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,43 +54,9 @@ from specserve.server.serving import (
     sse_response,
     start,
 )
+from specserve.server.state import ServerState
 
 log = logging.getLogger("specserve.server")
-
-
-class _State:
-    def __init__(self, engine: AsyncEngine, served_name: str, owns_engine: bool) -> None:
-        self.engine = engine
-        self.served_name = served_name
-        self.owns_engine = owns_engine
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.metrics = ServerMetrics(engine.get_metrics, served_name)
-        self.max_prompt_tokens: int | None = None  # --max-prompt-tokens (None: only the context bounds it)
-        self.draining = False  # set on SIGTERM: /v1 answers 503 while in-flight requests finish
-
-    def check_prompt_tokens(self, num_tokens: int, param: str) -> None:
-        if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:
-            raise APIError(400, f"The prompt has {num_tokens} tokens, more than this server's limit of "
-                                f"{self.max_prompt_tokens} (--max-prompt-tokens).", param=param)
-
-    async def drain(self, grace: float) -> None:
-        """Graceful shutdown: stop taking requests (503), let those in flight finish for up to ``grace``
-        seconds, then end them with an error (a final error event when streaming, else a 503)."""
-        self.draining = True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        while self.engine.num_requests and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        if self.engine.num_requests:
-            log.warning("shutdown grace period (%gs) over: aborting %d request(s)", grace,
-                        self.engine.num_requests)
-            self.engine.abort_all(EngineClosedError(
-                f"the server is shutting down: request aborted after the {grace:g} s grace period"))
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_name:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
 class _AuthMiddleware:
@@ -119,7 +83,7 @@ class _GuardMiddleware:
     """Before any route runs: 503 on /v1 while draining for shutdown; request bodies are read here, up to
     ``max_bytes`` (400 past it, before any JSON parsing) and must be UTF-8 when declared JSON (400)."""
 
-    def __init__(self, app: ASGIApp, state: _State, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState, max_bytes: int) -> None:
         self.app, self.state, self.max_bytes = app, state, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -193,7 +157,7 @@ def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None 
     if isinstance(engine, EngineConfig):
         engine = Engine(engine)
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_queue=max_queue)
-    state = _State(aengine, served_model_name or default_served_name(aengine.engine), owns)
+    state = ServerState(aengine, served_model_name or default_served_name(aengine.engine), owns)
     if max_request_bytes < 1 or (max_prompt_tokens is not None and max_prompt_tokens < 1):
         raise ValueError("max_request_bytes and max_prompt_tokens must be >= 1")
     state.max_prompt_tokens = max_prompt_tokens
@@ -236,7 +200,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return as_api_error(exc).response()
 
 
-def _add_routes(app: FastAPI, state: _State) -> None:
+def _add_routes(app: FastAPI, state: ServerState) -> None:
     completion_fields = set(CompletionRequest.model_fields)
     chat_fields = set(ChatCompletionRequest.model_fields)
 
@@ -318,7 +282,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], args: Any) -> i
                      max_queue=getattr(args, "max_queue", 256),
                      max_request_bytes=getattr(args, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES,
                      max_prompt_tokens=getattr(args, "max_prompt_tokens", None))
-    state: _State = app.state.specserve
+    state: ServerState = app.state.specserve
     host, port = args.host, args.port
     print(f"specserve: serving {state.served_name!r} at http://{host}:{port}/v1 "
           f"(max_model_len={state.max_model_len})", file=sys.stderr, flush=True)
@@ -340,7 +304,7 @@ class _GracefulServer(uvicorn.Server):
     and the lifespan shutdown stops the engine loop thread. SIGTERM exits 0 (uvicorn would re-raise it after
     its graceful shutdown, so the process would die of it); a second SIGINT forces the exit."""
 
-    def __init__(self, config: uvicorn.Config, state: _State, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace: float) -> None:
         super().__init__(config)
         self.state, self.grace = state, grace
         self._drain: asyncio.Task[None] | None = None

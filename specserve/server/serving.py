@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -27,9 +27,7 @@ from specserve.server import webui
 from specserve.server.errors import APIError, as_api_error
 from specserve.server.metrics import RequestTimer
 from specserve.server.protocol import Delta, ErrorResponse
-
-if TYPE_CHECKING:
-    from specserve.server.api import _State
+from specserve.server.state import ServerState
 
 log = logging.getLogger("specserve.server")
 
@@ -67,7 +65,7 @@ def sse_response(events: AsyncIterator[str]) -> _SSEResponse:
 
 
 # -- running requests ----------------------------------------------------------------------------------------
-async def start(state: _State, base_id: str, prompts: list[str | list[int]], params: SamplingParams,
+async def start(state: ServerState, base_id: str, prompts: list[str | list[int]], params: SamplingParams,
                  speculative: bool) -> list[RequestStream]:
     """Add one engine request per prompt; all or nothing (validation errors raise before any streaming)."""
     streams: list[RequestStream] = []
@@ -98,7 +96,7 @@ async def start(state: _State, base_id: str, prompts: list[str | list[int]], par
 class Run:
     """One HTTP request's engine requests: merged outputs, per-choice deltas, timing and usage."""
 
-    def __init__(self, state: _State, rid: str, streams: list[RequestStream], params: SamplingParams,
+    def __init__(self, state: ServerState, rid: str, streams: list[RequestStream], params: SamplingParams,
                  include_usage: bool) -> None:
         self.state, self.id, self.streams, self.params = state, rid, streams, params
         self.include_usage = include_usage
