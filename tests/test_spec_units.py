@@ -331,3 +331,16 @@ def test_marginal_predicted_gain_does_not_draft(alpha, min_gain, drafts):
     c.record_draft(1, 0.0005)
     assert c.rates("new request")[0] == pytest.approx(alpha)
     assert c.choose_ks(["new request"]) == ([1] if drafts else [0])
+
+
+def test_cost_observers_see_every_sample():
+    """Benchmarks read the controller's cost samples through ``cost_observers`` (no monkey-patching)."""
+    from specserve.bench.offline import cost_tap
+
+    c = SpecController(4)
+    with cost_tap(c) as (target, draft):
+        c.record_target(5, 0.02)
+        c.record_draft(1, 0.004)
+    c.record_target(1, 0.01)  # after the run: not recorded, and the observer is gone
+    assert target == [(5, 0.02)] and draft == [(1, 0.004)] and c.cost_observers == []
+    assert c.target_cost.predict(5) == pytest.approx(0.02)

@@ -104,27 +104,21 @@ def merge_spec(dicts: list[dict[str, Any]]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def cost_tap(controller) -> Iterator[tuple[list, list]]:
-    """Record the controller's cost samples of one run (wraps its two record methods on the instance)."""
+    """Record the controller's cost samples of one run (through its ``cost_observers``)."""
     target: list[tuple[int, float]] = []
     draft: list[tuple[int, float]] = []
     if controller is None:
         yield target, draft
         return
-    rec_t, rec_d = controller.record_target, controller.record_draft
 
-    def tap_t(n: int, s: float) -> None:
-        target.append((n, s))
-        rec_t(n, s)
+    def tap(kind: str, n: int, s: float) -> None:
+        (target if kind == "target" else draft).append((n, s))
 
-    def tap_d(n: int, s: float) -> None:
-        draft.append((n, s))
-        rec_d(n, s)
-
-    controller.record_target, controller.record_draft = tap_t, tap_d
+    controller.cost_observers.append(tap)
     try:
         yield target, draft
     finally:
-        del controller.record_target, controller.record_draft  # back to the class methods
+        controller.cost_observers.remove(tap)
 
 
 def reset_controller(llm, adaptive: bool | None = None) -> None:

@@ -63,8 +63,7 @@ class Engine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         spec = config.speculative
-        writes_kv = bool(self.runner.proposer and self.runner.proposer.writes_kv)
-        lookahead = spec.num_speculative_tokens if writes_kv else 0
+        lookahead = spec.num_speculative_tokens if self.runner.drafts_write_kv else 0
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, lookahead)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(target.arch.eos_token_ids)
         self.model_name = target.name

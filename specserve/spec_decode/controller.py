@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Callable
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -111,6 +112,8 @@ class SpecController:
                  explore_every: int = 16, prior_weight: float = 2.0, min_gain: float = 0.03) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
+        # Called with ("target" | "draft", count, seconds) for every cost sample (benchmarks read them).
+        self.cost_observers: list[Callable[[str, int, float], None]] = []
         # Draft only when the model predicts at least this relative gain over not drafting: the estimates
         # are noisy, and a predicted +1% that turns out -5% breaks "never slower" for nothing.
         self.min_gain = min_gain
@@ -155,9 +158,13 @@ class SpecController:
 
     def record_target(self, num_tokens: int, seconds: float) -> None:
         self.target_cost.add(num_tokens, seconds)
+        for observer in self.cost_observers:
+            observer("target", num_tokens, seconds)
 
     def record_draft(self, num_reqs: int, seconds_per_step: float) -> None:
         self.draft_cost.add(num_reqs, seconds_per_step)
+        for observer in self.cost_observers:
+            observer("draft", num_reqs, seconds_per_step)
 
     def drop(self, req_id: str) -> None:
         self._acc.pop(req_id, None)

@@ -170,6 +170,11 @@ class ModelRunner:
         # zeros, not empty: padded reads of unused slots must never see NaN/Inf garbage.
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model.arch.num_layers)]
 
+    @property
+    def drafts_write_kv(self) -> bool:
+        """Whether drafting writes KV ahead of the verified tokens (the scheduler reserves lookahead slots)."""
+        return bool(self.proposer and self.proposer.writes_kv)
+
     def _make_proposer(self) -> Proposer:
         spec = self.config.speculative
         assert spec.prompt_lookup_min is not None
