@@ -12,6 +12,7 @@ of the sampled continuation (computed once from those features, kept in fp16).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -132,11 +133,10 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
     def sink(req_id: str, pos: int, h: torch.Tensor) -> None:
         chunks.setdefault(req_id, []).append((pos, h.detach().float().cpu().clone()))
 
-    prev, runner.feature_sink = runner.feature_sink, sink
     samples = list(samples or [])
     generated, i = sum(len(s.token_ids) - s.prompt_len for s in samples), start
     bar = tqdm(total=num_tokens, initial=min(generated, num_tokens), desc="collect (target samples)", unit="tok")
-    try:
+    with runner.observe_features(sink), contextlib.closing(bar):
         while generated < num_tokens:
             group = [prompts[(i + j) % len(prompts)] for j in range(batch)]
             greedy = greedy_every > 0 and (i // batch) % greedy_every == greedy_every - 1
@@ -153,9 +153,6 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
                     bar.update(new)
             if on_batch is not None:
                 on_batch(samples, i)
-    finally:
-        runner.feature_sink = prev
-        bar.close()
     return samples
 
 

@@ -6,10 +6,11 @@ verify/sample (k = 0 is ordinary decoding) -> propose drafts for the next step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +170,20 @@ class ModelRunner:
         shape = model.kv_cache_shape(num_blocks, self.block_size)
         # zeros, not empty: padded reads of unused slots must never see NaN/Inf garbage.
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model.arch.num_layers)]
+
+    @contextlib.contextmanager
+    def observe_features(self, sink: FeatureSink, layers: tuple[int, ...] | None = None) -> Iterator[None]:
+        """For the duration: every step hands the target's pre-norm features of each row to ``sink`` (instead
+        of the EAGLE proposer); ``layers`` (1-based) chooses the layers concatenated, as an EAGLE-3 head reads
+        them (``specserve distill`` collects its training features this way)."""
+        prev_sink, prev_layers = self.feature_sink, self.model.feature_layers
+        self.feature_sink = sink
+        if layers is not None:
+            self.model.feature_layers = layers
+        try:
+            yield
+        finally:
+            self.feature_sink, self.model.feature_layers = prev_sink, prev_layers
 
     @property
     def drafts_write_kv(self) -> bool:
