@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+
+def flag(help: str, *, kw: str | None = None, cli: str | None = None, short: str | None = None,
+         choices: tuple[str, ...] | str | None = None, negative: str | None = None, positive: bool = True,
+         ) -> dict[str, Any]:
+    """Field metadata that makes a config field an engine flag: ``engine_args.py`` derives the CLI option
+    (``--`` + the keyword with dashes, or ``cli``) and the ``LLM(**kwargs)`` keyword (the field's name, or
+    ``kw``) from it. Booleans get ``--flag`` (unless ``positive`` is False) and/or ``negative`` (``--no-...``).
+    ``choices`` "devices" stands for ``platform.DEVICE_CHOICES`` (platform imports this module)."""
+    return {"flag": {"help": help, "kw": kw, "cli": cli, "short": short, "choices": choices,
+                     "negative": negative, "positive": positive}}
 
 
 class SpecserveError(Exception):
@@ -59,14 +70,21 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")  # model/quant.py
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # path to an HF dir or a .gguf file; None = embedded demo model
-    dtype: str = "auto"
-    device: str = "auto"  # one of platform.DEVICE_CHOICES (validated by platform.detect)
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    dtype: str = field(default="auto", metadata=flag(
+        "compute dtype: auto = bf16 on GPUs and CPUs with bf16 hardware, fp32 elsewhere", choices=DTYPES))
+    device: str = field(default="auto", metadata=flag("where to run",
+                                                       choices="devices"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "longest context (prompt + output); default: the model's max_position_embeddings"))
     seed: int = 0
-    enforce_eager: bool = False  # never capture GPU graphs (vLLM's --enforce-eager)
-    # Weight-only quantization (vLLM's --quantization): auto keeps a quantized GGUF quantized and leaves
-    # float checkpoints float; none dequantizes; int8 / int4 (re)quantize every layer weight.
-    quantization: str = "auto"
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "never capture GPU graphs (used on GPUs for decode and verify steps)"))
+    # auto keeps a quantized GGUF quantized and leaves float checkpoints float; none dequantizes; int8 / int4
+    # (re)quantize every layer weight.
+    quantization: str = field(default="auto", metadata=flag(
+        "weight-only quantization: auto keeps a Q4_0/Q4_1/Q8_0 GGUF in its blocks and float checkpoints "
+        "float; none dequantizes; int8/int4 quantize every layer weight (groups of 32)", short="-q",
+        choices=QUANTIZATIONS))
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,14 +97,18 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    # Bytes (> 1) or a fraction of available memory (<= 1). None: a default for the platform.
-    kv_cache_memory: float | None = None
-    num_blocks: int | None = None  # explicit override (tests)
-    enable_prefix_caching: bool = True
+    block_size: int = field(default=16, metadata=flag("tokens per KV block (a power of two)"))
+    kv_cache_memory: float | None = field(default=None, metadata=flag(
+        "KV cache size: bytes (> 1) or a fraction of free memory (<= 1); default: a platform default"))
+    num_blocks: int | None = field(default=None, metadata=flag("KV cache size as a block count",
+                                                                cli="--num-kv-blocks"))
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        "prefix caching", positive=False, negative="--no-prefix-caching"))
     # On a GPU without kv_cache_memory / num_blocks: the KV cache gets this fraction of the device memory
     # that is free once the weights are loaded (the rest is headroom for activations and graphs).
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = field(default=0.9, metadata=flag(
+        "GPU: fraction of the free device memory (after the weights) for the KV cache, in (0, 1]; "
+        "--kv-cache-memory and --num-kv-blocks take precedence"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -102,8 +124,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = field(default=2048, metadata=flag("token budget of one step"))
+    max_num_seqs: int = field(default=64, metadata=flag("most requests in one step"))
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
@@ -119,16 +141,26 @@ LOOKUP_FIRST_MIN_N = 3  # --prompt-lookup-first: the shortest repeated suffix th
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str | None = None  # None = speculation off
-    model: str | None = None
-    num_speculative_tokens: int = 0
-    prompt_lookup_min: int | None = None  # None: 1 for ngram, LOOKUP_FIRST_MIN_N with prompt_lookup_first
-    prompt_lookup_max: int = 4
-    draft_layers: int | None = None  # layer_skip: how many target layers the draft uses
-    adaptive: bool = True
+    method: str | None = field(default=None, metadata=flag(  # None = speculation off
+        "proposer (draft, or eagle for a head dir, is implied by --speculative-model)", kw="speculative_method",
+        choices=SPEC_METHODS))
+    model: str | None = field(default=None, metadata=flag("draft checkpoint (HF dir or .gguf)",
+                                                           kw="speculative_model"))
+    num_speculative_tokens: int = field(default=0, metadata=flag(
+        "k: drafts per step (the most; the controller may use fewer); default 5 for ngram, 4 otherwise"))
+    # None: 1 for ngram, LOOKUP_FIRST_MIN_N with prompt_lookup_first
+    prompt_lookup_min: int | None = field(default=None, metadata=flag(
+        "shortest repeated suffix prompt lookup drafts from (ngram: 1; --prompt-lookup-first: 3)"))
+    prompt_lookup_max: int = field(default=4, metadata=flag("longest suffix prompt lookup tries"))
+    draft_layers: int | None = field(default=None, metadata=flag("layer_skip: target layers the draft uses"))
+    adaptive: bool = field(default=True, metadata=flag(
+        "choose k per step from measured acceptance and cost (default on)", kw="speculative_adaptive",
+        negative="--no-speculative-adaptive"))
     # A model proposer (draft, eagle, layer_skip) that lets prompt lookup draft whenever the context repeats
     # its last prompt_lookup_min tokens (spec_decode/lookup_first.py).
-    prompt_lookup_first: bool = False
+    prompt_lookup_first: bool = field(default=False, metadata=flag(
+        "with a draft model, EAGLE head or layer_skip: draft by prompt lookup whenever the context repeats its "
+        "last --prompt-lookup-min tokens, by the model otherwise"))
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_min is None:
@@ -177,8 +209,7 @@ class SpeculativeConfig:
                 cfg = dict(speculative_config)
             if not isinstance(cfg, dict):
                 raise ValueError("--speculative-config must be a JSON object")
-            known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
-                     "prompt_lookup_max", "draft_layers", "adaptive", "prompt_lookup_first"}
+            known = {f.name for f in fields(SpeculativeConfig)}
             unknown = set(cfg) - known
             if unknown:
                 raise ValueError(f"unknown --speculative-config keys: {sorted(unknown)}")
@@ -229,26 +260,15 @@ class EngineConfig:
     @staticmethod
     def from_kwargs(model: str | None = None, **kw: Any) -> EngineConfig:
         """Build from flat keyword arguments (the names of the CLI flags, vLLM-style)."""
-        def take(*names: str) -> dict[str, Any]:
-            picked = {n: kw.pop(n) for n in names if n in kw}
+        def take(cls: type) -> dict[str, Any]:  # this config's fields, by name; None = its default
+            picked = {f.name: kw.pop(f.name) for f in fields(cls) if f.name in kw}
             return {n: v for n, v in picked.items() if v is not None}
 
-        model_cfg = ModelConfig(model=model, **take("dtype", "device", "max_model_len", "seed", "enforce_eager",
-                                                     "quantization"))
-        cache_kw = take("block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching",
-                        "gpu_memory_utilization")
-        sched_kw = take("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
-        spec = SpeculativeConfig.from_args(
-            speculative_model=kw.pop("speculative_model", None),
-            num_speculative_tokens=kw.pop("num_speculative_tokens", None),
-            speculative_method=kw.pop("speculative_method", None),
-            speculative_config=kw.pop("speculative_config", None),
-            draft_layers=kw.pop("draft_layers", None),
-            prompt_lookup_min=kw.pop("prompt_lookup_min", None),
-            prompt_lookup_max=kw.pop("prompt_lookup_max", None),
-            speculative_adaptive=kw.pop("speculative_adaptive", True),
-            prompt_lookup_first=kw.pop("prompt_lookup_first", None),
-        )
+        model_cfg = ModelConfig(model=model, **take(ModelConfig))
+        cache_kw, sched_kw = take(CacheConfig), take(SchedulerConfig)
+        spec_kws = [f.metadata["flag"]["kw"] or f.name for f in fields(SpeculativeConfig) if "flag" in f.metadata]
+        spec_kw = {k: v for k in [*spec_kws, "speculative_config"] if (v := kw.pop(k, None)) is not None}
+        spec = SpeculativeConfig.from_args(**spec_kw)
         if kw:
             raise TypeError(f"unknown engine arguments: {sorted(kw)}")
         return EngineConfig(model_cfg, CacheConfig(**cache_kw), SchedulerConfig(**sched_kw), spec)

@@ -1,64 +1,91 @@
 """The engine's command-line flags (vLLM's names), shared by `generate`, `serve`, `bench offline` and
-`distill`, and their mapping onto ``LLM(**kwargs)`` / ``EngineConfig.from_kwargs``."""
+`distill`, and their mapping onto ``LLM(**kwargs)`` / ``EngineConfig.from_kwargs``.
+
+A flag is declared once, on its config dataclass field (``config.flag`` metadata: help, choices, spelling);
+the argparse options and the keyword list are derived here."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass(frozen=True)
+class EngineFlag:
+    kw: str  # the LLM(**kwargs) / EngineConfig.from_kwargs keyword
+    options: tuple[str, ...]  # the CLI spellings (a boolean's "--no-..." form is ``negative``)
+    kind: type  # str, int, float or bool
+    default: Any  # the config's default (shown in --help; the CLI itself passes None for "not given")
+    help: str
+    choices: tuple[str, ...] | None
+    group: str  # "engine" or "speculative decoding"
+    negative: str | None = None
+    positive: bool = True
+
+
+def _kind(annotation: Any) -> type:
+    """The value type of a field annotation: a type, or its string form (``int | None``)."""
+    if isinstance(annotation, type):
+        return annotation
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if name in str(annotation).split(" | "):
+            return kind
+    return str
+
+
+def engine_flags() -> list[EngineFlag]:
+    """Every engine flag, read from the config dataclasses' field metadata."""
+    from specserve import config
+
+    out = []
+    for cls, group in ((config.ModelConfig, "engine"), (config.CacheConfig, "engine"),
+                       (config.SchedulerConfig, "engine"), (config.SpeculativeConfig, "speculative decoding")):
+        for f in dataclasses.fields(cls):
+            meta = f.metadata.get("flag")
+            if meta is None:
+                continue
+            kw = meta["kw"] or f.name
+            options = (meta["cli"] or "--" + kw.replace("_", "-"),) + ((meta["short"],) if meta["short"] else ())
+            choices = meta["choices"]
+            if choices == "devices":
+                from specserve.platform import DEVICE_CHOICES  # platform imports config: resolved here
+
+                choices = tuple(DEVICE_CHOICES)
+            out.append(EngineFlag(kw, options, _kind(f.type), f.default, meta["help"], choices, group,
+                                  meta["negative"], meta["positive"]))
+    return out
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine and speculative flags, vLLM-style names (shared by generate, serve and bench)."""
-    from specserve.platform import DEVICE_CHOICES
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", dest="model_flag", default=None,
-                   help="HF dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
-    g.add_argument("--quantization", "-q", default=None, choices=["auto", "none", "int8", "int4"],
-                   help="weight-only quantization: auto (default) keeps a Q4_0/Q4_1/Q8_0 GGUF in its blocks and "
-                        "float checkpoints float; none dequantizes; int8/int4 quantize every layer weight "
-                        "(groups of 32)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="KV cache size: bytes (> 1) or a fraction of free memory (<= 1)")
-    g.add_argument("--num-kv-blocks", dest="num_blocks", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="GPU: fraction of the free device memory (after the weights) for the KV cache, in "
-                        "(0, 1], default 0.9; --kv-cache-memory and --num-kv-blocks take precedence")
-    g.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="never capture GPU graphs (used on GPUs for decode and verify steps)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-model", default=None, help="draft checkpoint (HF dir or .gguf)")
-    s.add_argument("--num-speculative-tokens", type=int, default=None, help="k: drafts per step (max)")
-    s.add_argument("--speculative-method", default=None, choices=["draft", "ngram", "layer_skip", "eagle"])
-    s.add_argument("--speculative-config", default=None,
-                   help='vLLM V1 JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
-    s.add_argument("--draft-layers", type=int, default=None, help="layer_skip: target layers the draft uses")
-    s.add_argument("--prompt-lookup-min", type=int, default=None,
-                   help="shortest repeated suffix prompt lookup drafts from (ngram: 1; --prompt-lookup-first: 3)")
-    s.add_argument("--prompt-lookup-max", type=int, default=None)
-    s.add_argument("--speculative-adaptive", dest="speculative_adaptive", action="store_true", default=True,
-                   help="choose k per step from measured acceptance and cost (default)")
-    s.add_argument("--prompt-lookup-first", action="store_true", default=None,
-                   help="with a draft model, EAGLE head or layer_skip: draft by prompt lookup whenever the context "
-                        "repeats its last --prompt-lookup-min tokens, by the model otherwise")
-    s.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false")
-
-
-ENGINE_KEYS = ("dtype", "device", "quantization", "max_model_len", "block_size", "kv_cache_memory", "num_blocks",
-               "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching", "max_num_batched_tokens",
-               "max_num_seqs", "speculative_model", "num_speculative_tokens", "speculative_method",
-               "speculative_config", "draft_layers", "prompt_lookup_min", "prompt_lookup_max",
-               "speculative_adaptive", "prompt_lookup_first")
+    """The engine and speculative flags on ``p``. Every value defaults to None ("not given"): the config
+    dataclass's own default then applies."""
+    groups = {"engine": p.add_argument_group("engine"),
+              "speculative decoding": p.add_argument_group("speculative decoding")}
+    groups["engine"].add_argument("--model", dest="model_flag", default=None,
+                                  help="HF dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    for fl in engine_flags():
+        g = groups[fl.group]
+        if fl.kind is bool:
+            if fl.positive:
+                g.add_argument(*fl.options, dest=fl.kw, action="store_true", default=None, help=fl.help)
+            if fl.negative:
+                g.add_argument(fl.negative, dest=fl.kw, action="store_false", default=None,
+                               help="turn off: " + fl.help if not fl.positive else None)
+            continue
+        shown = "" if fl.default is None or "default" in fl.help else f" (default: {fl.default})"
+        g.add_argument(*fl.options, dest=fl.kw, type=fl.kind, default=None, choices=fl.choices,
+                       help=fl.help + shown)
+    groups["speculative decoding"].add_argument(
+        "--speculative-config", default=None,
+        help='vLLM V1 JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+    """The parsed engine flags as ``LLM(**kwargs)`` keywords."""
+    keys = [fl.kw for fl in engine_flags()] + ["speculative_config"]
+    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
 
 
 def model_arg(args: argparse.Namespace) -> str | None:
