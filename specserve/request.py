@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from specserve.sampling_params import SamplingParams
 
@@ -25,49 +27,64 @@ class RequestStatus(enum.Enum):
 
 @dataclass(slots=True)
 class SpecStats:
-    """Speculation counters (vLLM names): drafts = verification passes with >= 1 draft token."""
+    """Speculation counters (vLLM names): drafts = verification passes with >= 1 draft token. The one type
+    that records, sums and reports them (per request, per engine, per API response, per benchmark run);
+    ``as_dict`` keys are the field names plus the derived rates."""
 
     num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
             return
         self.num_drafts += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_draft:
-            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        self.draft_tokens += num_draft
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
         for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
+            self.accepted_per_position[i] += 1
 
     def merge(self, other: SpecStats) -> None:
         self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        if len(self.accepted_per_pos) < len(other.accepted_per_pos):
-            self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
-        for i, n in enumerate(other.accepted_per_pos):
-            self.accepted_per_pos[i] += n
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        per = self.accepted_per_position
+        per.extend([0] * (len(other.accepted_per_position) - len(per)))
+        for i, n in enumerate(other.accepted_per_position):
+            per[i] += n
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpecStats:
+        """The counters of an ``as_dict`` (e.g. a ``RequestOutput.metrics["speculative"]``); missing: 0."""
+        return cls(int(d.get("num_drafts", 0)), int(d.get("draft_tokens", 0)), int(d.get("accepted_tokens", 0)),
+                   list(d.get("accepted_per_position") or []))
+
+    @classmethod
+    def total(cls, dicts: Iterable[dict[str, Any]]) -> SpecStats:
+        out = cls()
+        for d in dicts:
+            out.merge(cls.from_dict(d))
+        return out
 
     @property
     def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        return 1.0 + self.accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
-    def as_dict(self) -> dict[str, float | int | list[int]]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "num_drafts": self.num_drafts,
-            "draft_tokens": self.num_draft_tokens,
-            "accepted_tokens": self.num_accepted_tokens,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-            "accepted_per_position": list(self.accepted_per_pos),
+            "accepted_per_position": list(self.accepted_per_position),
         }
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from specserve.bench import report
 from specserve.bench.workloads import Item, load_dataset
 from specserve.engine_args import engine_kwargs, model_arg
+from specserve.request import SpecStats
 from specserve.spec_decode.controller import expected_tokens, ideal_speedup
 
 log = logging.getLogger("specserve.bench")
@@ -88,20 +89,6 @@ class Run:
                 "num_requests": self.num_requests, "output_tokens": self.output_tokens, "spec": self.spec}
 
 
-def merge_spec(dicts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum per-request ``metrics["speculative"]`` counters."""
-    out: dict[str, Any] = {"num_drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": []}
-    for d in dicts:
-        for key in ("num_drafts", "draft_tokens", "accepted_tokens"):
-            out[key] += int(d.get(key, 0))
-        per = d.get("accepted_per_position") or []
-        acc = out["accepted_per_position"]
-        acc.extend([0] * (len(per) - len(acc)))
-        for i, n in enumerate(per):
-            acc[i] += n
-    return out
-
-
 @contextlib.contextmanager
 def cost_tap(controller) -> Iterator[tuple[list, list]]:
     """Record the controller's cost samples of one run (through its ``cost_observers``)."""
@@ -152,7 +139,7 @@ def run_once(llm, prompts: list[list[int]], batch_size: int, max_tokens: int, sp
         outs = llm.generate(None, params, prompt_token_ids=reqs, speculative=speculative)
         secs = time.perf_counter() - t0
     toks = [list(o.outputs[0].token_ids) for o in outs]
-    spec = merge_spec([o.metrics.get("speculative") or {} for o in outs])
+    spec = SpecStats.total(o.metrics.get("speculative") or {} for o in outs).as_dict()
     return Run(speculative, batch_size, secs, n, sum(len(t) for t in toks), toks, spec, tgt, drf)
 
 
@@ -179,7 +166,7 @@ def _mismatches(off: list[Run], on: list[Run]) -> tuple[int, list[dict[str, Any]
 
 def summarize(batch_size: int, off: list[Run], on: list[Run], controller) -> dict[str, Any]:
     off_tps, on_tps = _median([r.tok_s for r in off]), _median([r.tok_s for r in on])
-    spec = merge_spec([r.spec for r in on])
+    spec = SpecStats.total(r.spec for r in on).as_dict()
     drafts, drafted, accepted = spec["num_drafts"], spec["draft_tokens"], spec["accepted_tokens"]
     k_used = drafted / drafts if drafts else 0.0
     mean_len = 1.0 + accepted / drafts if drafts else 1.0

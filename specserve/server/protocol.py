@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.request import SpecStats
 from specserve.sampling_params import SamplingParams
 
 # Chat default for max_tokens when neither max_tokens nor max_completion_tokens is given: up to the end of
@@ -226,13 +227,9 @@ class SpeculativeUsage(BaseModel):
 
     @staticmethod
     def merge(stats: list[dict[str, Any]]) -> SpeculativeUsage:
-        drafts = sum(int(s.get("num_drafts", 0)) for s in stats)
-        draft_tokens = sum(int(s.get("draft_tokens", 0)) for s in stats)
-        accepted = sum(int(s.get("accepted_tokens", 0)) for s in stats)
-        return SpeculativeUsage(
-            num_drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
-            acceptance_rate=round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
-            mean_acceptance_length=round(1.0 + accepted / drafts, 4) if drafts else 1.0)
+        """The sum of per-request ``metrics["speculative"]`` counters (choices of one response)."""
+        total = SpecStats.total(stats).as_dict()
+        return SpeculativeUsage(**{k: v for k, v in total.items() if k != "accepted_per_position"})
 
 
 class Usage(BaseModel):
