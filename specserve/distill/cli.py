@@ -94,7 +94,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     engine_kw = {"dtype": args.dtype, "device": args.device, "quantization": "none"}
     llm = LLM(args.target, max_num_seqs=args.batch, enable_prefix_caching=False, **engine_kw)
     if args.kind == "head":  # collect exactly the features the head will read when serving
-        llm.engine.runner.model.feature_layers = feature_layers(args.feature_layers, llm.engine.runner.arch.num_layers)
+        llm.engine.runner.set_feature_layers(feature_layers(args.feature_layers, llm.engine.runner.arch.num_layers))
     t0 = time.perf_counter()
     samples, train_prompts, held = _collect(args, llm)
     walls["collect_s"] = round(time.perf_counter() - t0, 1)

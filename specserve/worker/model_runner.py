@@ -171,6 +171,11 @@ class ModelRunner:
         # zeros, not empty: padded reads of unused slots must never see NaN/Inf garbage.
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model.arch.num_layers)]
 
+    def set_feature_layers(self, layers: tuple[int, ...] | None) -> None:
+        """The target layers (1-based) whose outputs are concatenated into the features a feature sink
+        receives (None: the last layer's output); an EAGLE-3-style head reads three."""
+        self.model.feature_layers = layers
+
     @contextlib.contextmanager
     def observe_features(self, sink: FeatureSink, layers: tuple[int, ...] | None = None) -> Iterator[None]:
         """For the duration: every step hands the target's pre-norm features of each row to ``sink`` (instead
