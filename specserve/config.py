@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any
 
 
@@ -17,6 +17,11 @@ def flag(help: str, *, kw: str | None = None, cli: str | None = None, short: str
     ``choices`` "devices" stands for ``platform.DEVICE_CHOICES`` (platform imports this module)."""
     return {"flag": {"help": help, "kw": kw, "cli": cli, "short": short, "choices": choices,
                      "negative": negative, "positive": positive}}
+
+
+def flag_keyword(f: Field[Any]) -> str:
+    """The ``LLM(**kwargs)`` / ``EngineConfig.from_kwargs`` keyword of a flagged config field."""
+    return f.metadata["flag"]["kw"] or f.name
 
 
 class SpecserveError(Exception):
@@ -266,7 +271,7 @@ class EngineConfig:
 
         model_cfg = ModelConfig(model=model, **take(ModelConfig))
         cache_kw, sched_kw = take(CacheConfig), take(SchedulerConfig)
-        spec_kws = [f.metadata["flag"]["kw"] or f.name for f in fields(SpeculativeConfig) if "flag" in f.metadata]
+        spec_kws = [flag_keyword(f) for f in fields(SpeculativeConfig) if "flag" in f.metadata]
         spec_kw = {k: v for k in [*spec_kws, "speculative_config"] if (v := kw.pop(k, None)) is not None}
         spec = SpeculativeConfig.from_args(**spec_kw)
         if kw:

@@ -46,7 +46,7 @@ def engine_flags() -> list[EngineFlag]:
             meta = f.metadata.get("flag")
             if meta is None:
                 continue
-            kw = meta["kw"] or f.name
+            kw = config.flag_keyword(f)
             options = (meta["cli"] or "--" + kw.replace("_", "-"),) + ((meta["short"],) if meta["short"] else ())
             choices = meta["choices"]
             if choices == "devices":

@@ -99,7 +99,7 @@ def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[Any, ..
     mats: tuple[Any, ...] = (a.qkv, a.o, mlp.gate_up, mlp.down)
     ok = (all(isinstance(w, CpuQuantWeight) for w in mats) and layer.input_norm.chunks == 1
           and layer.post_norm.chunks == 1 and kv_cache.shape[-1] % 8 == 0 and kv_cache.dtype == torch.float32
-          and layer.input_norm.eps == layer.post_norm.eps and getattr(mlp, "activation", "silu") == "silu")
+          and layer.input_norm.eps == layer.post_norm.eps)
     weights = None
     if ok:
         parts: list[Any] = []

@@ -177,18 +177,15 @@ class ModelRunner:
         self.model.feature_layers = layers
 
     @contextlib.contextmanager
-    def observe_features(self, sink: FeatureSink, layers: tuple[int, ...] | None = None) -> Iterator[None]:
-        """For the duration: every step hands the target's pre-norm features of each row to ``sink`` (instead
-        of the EAGLE proposer); ``layers`` (1-based) chooses the layers concatenated, as an EAGLE-3 head reads
-        them (``specserve distill`` collects its training features this way)."""
-        prev_sink, prev_layers = self.feature_sink, self.model.feature_layers
-        self.feature_sink = sink
-        if layers is not None:
-            self.model.feature_layers = layers
+    def observe_features(self, sink: FeatureSink) -> Iterator[None]:
+        """For the duration: every step hands the target's pre-norm features of each row (the layers of
+        ``set_feature_layers``) to ``sink`` instead of the EAGLE proposer (``specserve distill`` collects its
+        training features this way)."""
+        prev, self.feature_sink = self.feature_sink, sink
         try:
             yield
         finally:
-            self.feature_sink, self.model.feature_layers = prev_sink, prev_layers
+            self.feature_sink = prev
 
     @property
     def drafts_write_kv(self) -> bool:
