@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from specserve.bench.workloads import load_dataset
+    from specserve.datasets import load_dataset
     from specserve.platform import configure_threads, cpu_class
     from specserve.tokenizer import Tokenizer
 

@@ -82,7 +82,7 @@ def main() -> int:
         args.num_prompts, args.batch_sizes, args.max_tokens, args.repeats = 4, "1,4", 32, 1
 
     from specserve.bench import offline, report
-    from specserve.bench.workloads import load_dataset
+    from specserve.datasets import load_dataset
     from specserve.llm import LLM
 
     batch_sizes = offline.parse_batch_sizes(args.batch_sizes)

@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from specserve.bench import offline, report, serve, workloads
+from specserve import datasets as workloads
+from specserve.bench import offline, report, serve
 from specserve.cli import main as cli_main
 from specserve.spec_decode.controller import expected_tokens, ideal_speedup
 from tests.helpers import tiny_hf_model, write_char_tokenizer
@@ -91,8 +92,8 @@ def test_workloads_deterministic_and_shipped():
         with open(path, encoding="utf-8") as f:
             shipped = f.read()
         if name != "chat" and json.loads(shipped)["python_version"] != doc["python_version"]:
-            continue  # stdlib sources differ between Python versions; rebuild with `-m ...workloads`
-        assert shipped == first, f"{path} is stale: python -m specserve.bench.workloads"
+            continue  # stdlib sources differ between Python versions; rebuild with `-m specserve.datasets`
+        assert shipped == first, f"{path} is stale: python -m specserve.datasets"
     assert len(workloads.CHAT_INSTRUCTIONS) >= 50
 
 

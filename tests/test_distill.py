@@ -130,7 +130,7 @@ def test_model_distill_is_a_normal_hf_draft(setup, tmp_path):
 
 
 def test_stdlib_text_skips_the_benchmark_modules():
-    from specserve.bench.workloads import CODE_MODULES
+    from specserve.datasets import CODE_MODULES
 
     seen: list[str] = []
 
@@ -162,7 +162,7 @@ def test_collate_over_a_draft_vocabulary_drops_tokens_outside_it():
 
 
 def test_held_out_prompts_written_as_bench_datasets(tmp_path):
-    from specserve.bench.workloads import load_dataset
+    from specserve.datasets import load_dataset
     from specserve.distill.cli import _write_held_out
 
     written = _write_held_out(str(tmp_path), "chat,code,prompts.txt", {"chat-003", "code-010", "code-011"})
@@ -195,7 +195,7 @@ def test_resume_with_a_new_source_appends_its_samples(setup):
 
 
 def test_stdlib_code_prompts_avoid_the_benchmark_modules():
-    from specserve.bench.workloads import (
+    from specserve.datasets import (
         CODE_MODULES,
         SUMMARIZE_MODULES,
         TRAIN_CODE,

@@ -130,7 +130,7 @@ def test_reduced_draft_vocab(tiny, reference):
     vocab = torch.arange(32, 128)
     save_eagle_head(head, out, draft_vocab=vocab)
     llm = LLM(tiny["target"], speculative_model=out, num_speculative_tokens=3, speculative_adaptive=False, **ENGINE)
-    proposer = llm.engine.runner.proposer
+    proposer = llm.engine.runner.drafter.proposer
     drafted: list[int] = []
     original = proposer.propose
 
@@ -174,7 +174,7 @@ def test_head_saved_without_input_norms_still_loads(tiny, reference, tmp_path):
     (out / "config.json").write_text(json.dumps(raw))
     assert "embed_norm.weight" not in load_file(str(out / "model.safetensors"))
     llm = LLM(tiny["target"], speculative_model=str(out), num_speculative_tokens=3, **ENGINE)
-    assert llm.engine.runner.draft_model.embed_norm is None
+    assert llm.engine.runner.drafter.model.embed_norm is None
     assert _greedy(llm) == reference
 
 
@@ -204,7 +204,7 @@ def test_engine_drafts_match_dense_forward(tiny, kind, lookup_first):
     llm = LLM(tiny["target"], speculative_method="eagle", speculative_model=tiny[kind], num_speculative_tokens=3,
               speculative_adaptive=False, max_num_seqs=4, max_num_batched_tokens=24, prompt_lookup_first=lookup_first,
               prompt_lookup_min=1, **ENGINE)
-    proposer = llm.engine.runner.proposer
+    proposer = llm.engine.runner.drafter.proposer
     if lookup_first:
         proposer = proposer.model
     seen: list[tuple[list[int], list[int]]] = []
@@ -217,7 +217,7 @@ def test_engine_drafts_match_dense_forward(tiny, kind, lookup_first):
 
     proposer.propose = record
     _greedy(llm, max_tokens=12)
-    head = llm.engine.runner.draft_model
+    head = llm.engine.runner.drafter.model
     assert len(seen) > 20
     mismatches, near_ties = 0, 0
     for tokens, drafts in seen:
@@ -231,7 +231,7 @@ def test_engine_drafts_match_dense_forward(tiny, kind, lookup_first):
     print(f"[eagle dense check] {len(seen)} proposals, near-ties accepted: {near_ties}")
     assert mismatches == 0
     if lookup_first:
-        both = llm.engine.runner.proposer
+        both = llm.engine.runner.drafter.proposer
         assert both.num_lookup > 10 and both.num_model > 10, (both.num_lookup, both.num_model)
 
 
@@ -241,10 +241,10 @@ def test_greedy_equal_with_lookup_first(tiny, reference, batch):
               speculative_adaptive=False, max_num_seqs=batch, prompt_lookup_first=True, prompt_lookup_min=2,
               **ENGINE)
     assert _greedy(llm) == reference
-    proposer = llm.engine.runner.proposer
+    proposer = llm.engine.runner.drafter.proposer
     assert proposer.num_lookup > 0 and proposer.num_model > 0
     # the controller heard each verification under the source that drafted it, and counted model steps only
-    controller = llm.engine.runner.controller
+    controller = llm.engine.runner.drafter.controller
     assert all(controller._global_of(s) != [controller.prior_alpha] * 3 for s in ("lookup", "model"))
     assert controller.global_rates == [controller.prior_alpha] * 3  # the default source drafted nothing
     assert controller.draft_cost.distinct() > 0

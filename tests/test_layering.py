@@ -14,15 +14,14 @@ ROOT = pathlib.Path(specserve.__file__).parent
 
 # Lower layers never import higher ones; units of one layer do not import each other.
 LAYERS = [
-    {"config", "sampling_params"},
+    {"config", "sampling_params", "datasets"},
     {"platform", "request", "outputs"},
     {"model", "kv", "sample", "engine_args"},
     {"tokenizer", "spec_decode"},
     {"worker"},
     {"engine"},
     {"llm"},
-    {"server", "bench"},
-    {"distill"},
+    {"server", "bench", "distill"},
     {"cli"},
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

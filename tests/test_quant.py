@@ -196,7 +196,7 @@ def test_demo_gguf_kept_quantized_agrees_with_dequantized_reference():
     summation order differ: greedy outputs of 64 tokens must agree on at least 7 of 8 prompts, and the logits
     stay within a small |delta| (measured 1.7e-2 here, 2.1e-2 over 16 prompts)."""
     from specserve import SamplingParams
-    from specserve.bench.workloads import load_dataset
+    from specserve.datasets import load_dataset
     from specserve.llm import LLM
 
     ref = LLM(None, quantization="none", dtype="float32", device="cpu", num_blocks=256, max_num_seqs=8)

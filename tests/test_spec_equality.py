@@ -315,7 +315,7 @@ class ChaosController(SpecController):
 def test_greedy_equal_with_per_request_k(tiny, method):
     ref = run(tiny, "llama", 8)
     llm = LLM(tiny["llama"].target, **engine_args(8, method, 4, tiny["llama"]))
-    chaos = llm.engine.runner.controller = ChaosController(4, seed=1)
+    chaos = llm.engine.runner.drafter.controller = ChaosController(4, seed=1)
     outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
     assert_same(f"{method} per-request k", PROMPTS, ref.token_ids, [o.outputs[0].token_ids for o in outs],
                 ref.llm.engine.runner.model)
@@ -362,7 +362,7 @@ def test_bf16_cpu_batch_invariant_across_batch_sizes(tiny):
     eight = run(tiny, "llama", 8, dtype="bfloat16")
     assert one.token_ids == eight.token_ids
     llm = LLM(tiny["llama"].target, **engine_args(8, "ngram", 4, tiny["llama"], dtype="bfloat16"))
-    chaos = llm.engine.runner.controller = ChaosController(4, seed=2)
+    chaos = llm.engine.runner.drafter.controller = ChaosController(4, seed=2)
     outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == eight.token_ids
     assert max(chaos.seen) >= 3
@@ -699,5 +699,5 @@ def demo_bit_exact(method: str, dtype: str) -> None:
         assert gen([p], True) == gen([p], False)
     assert_speculated(llm.get_metrics())
     if method == "eagle+lookup":  # both sources drafted ("Repeat exactly" repeats; the rest mostly not)
-        proposer = llm.engine.runner.proposer
+        proposer = llm.engine.runner.drafter.proposer
         assert proposer.num_lookup > 0 and proposer.num_model > 0, (proposer.num_lookup, proposer.num_model)

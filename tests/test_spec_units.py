@@ -306,19 +306,14 @@ def test_choose_k_measures_the_other_extreme_first():
 
 def test_draft_step_cost_excludes_catch_up():
     """The controller's draft cost is one more draft step, not the first call's catch-up over every token
-    since the request last drafted (charging that made the controller draft ever less; see model_runner)."""
-    from types import SimpleNamespace
+    since the request last drafted (charging that made the controller draft ever less; see worker/drafter)."""
+    from specserve.worker.drafter import draft_step_cost as cost
 
-    from specserve.worker.model_runner import ModelRunner
-
-    cost = ModelRunner._draft_step_cost
     # 8 rows: a catch-up over 80 tokens (0.8 s), then two one-token steps; 1.1 s in all (sampling included)
-    r = SimpleNamespace(_draft_calls=[(8, 80, 0.8), (8, 8, 0.1), (8, 8, 0.1)])
-    assert cost(r, 1.1, 3) == pytest.approx(0.15)
-    assert r._draft_calls == []  # consumed
-    r._draft_calls = [(8, 80, 0.8)]  # k = 1: the call scaled to one token per row, plus the sampling after it
-    assert cost(r, 0.85, 1) == pytest.approx(0.8 * 8 / 80 + 0.05)
-    assert cost(SimpleNamespace(_draft_calls=[]), 0.01, 5) == pytest.approx(0.002)  # n-gram: no model calls
+    assert cost([(8, 80, 0.8), (8, 8, 0.1), (8, 8, 0.1)], 1.1, 3) == pytest.approx(0.15)
+    # k = 1: the call scaled to one token per row, plus the sampling after it
+    assert cost([(8, 80, 0.8)], 0.85, 1) == pytest.approx(0.8 * 8 / 80 + 0.05)
+    assert cost([], 0.01, 5) == pytest.approx(0.002)  # n-gram: no model calls
 
 
 @pytest.mark.parametrize("alpha,min_gain,drafts", [(0.07, 0.03, False), (0.07, 0.0, True), (0.20, 0.03, True)])

@@ -4,7 +4,7 @@
   next to the cost model's ideal speedup from measured acceptance and cost (``bench/offline.py``).
 - ``serve``: an OpenAI-API streaming load generator (Poisson arrivals), TTFT / TPOT / ITL percentiles; it can
   launch ``specserve serve`` itself, with speculation off and then on (``bench/serve.py``).
-- workloads: ``code``, ``summarize``, ``chat``, ``edit`` built from the Python stdlib (``bench/workloads.py``).
+- workloads: ``code``, ``summarize``, ``chat``, ``edit`` built from the Python stdlib (``datasets.py``).
 
 Module imports stay light (no torch) so that building the CLI parser is cheap.
 """

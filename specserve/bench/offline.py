@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.bench import report
-from specserve.bench.workloads import Item, load_dataset
+from specserve.datasets import Item, load_dataset
 from specserve.engine_args import engine_kwargs, model_arg
 from specserve.request import SpecStats
 from specserve.spec_decode.controller import expected_tokens, ideal_speedup
@@ -108,15 +108,16 @@ def cost_tap(controller) -> Iterator[tuple[list, list]]:
         controller.cost_observers.remove(tap)
 
 
+def _controller(llm):
+    drafter = llm.engine.runner.drafter
+    return drafter.controller if drafter is not None else None
+
+
 def reset_controller(llm, adaptive: bool | None = None) -> None:
     """A fresh controller (no fitted costs, no acceptance history), adaptive or fixed-k, on the loaded
     engine: lets one process compare adaptive on and off without reloading the model."""
-    from specserve.spec_decode.controller import SpecController
-
-    runner = llm.engine.runner
-    if runner.controller is not None:
-        old = runner.controller
-        runner.controller = SpecController(old.max_k, old.adaptive if adaptive is None else adaptive)
+    if llm.engine.runner.drafter is not None:
+        llm.engine.runner.drafter.reset_controller(adaptive=adaptive)
 
 
 def set_batch_size(llm, batch_size: int) -> None:
@@ -134,7 +135,7 @@ def run_once(llm, prompts: list[list[int]], batch_size: int, max_tokens: int, sp
     set_batch_size(llm, batch_size)
     llm.engine.kv.pool.reset_prefix_cache()  # every run pays its own prefill
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    with cost_tap(llm.engine.runner.controller) as (tgt, drf):
+    with cost_tap(_controller(llm)) as (tgt, drf):
         t0 = time.perf_counter()
         outs = llm.generate(None, params, prompt_token_ids=reqs, speculative=speculative)
         secs = time.perf_counter() - t0
@@ -224,7 +225,7 @@ def run_offline(llm, prompts: list[list[int]], batch_sizes: list[int], max_token
                 (on if spec else off).append(run)
                 bar.set_postfix(batch=b, spec="on" if spec else "off", tok_s=f"{run.tok_s:.1f}")
                 bar.update(1)
-        out.append(summarize(b, off, on, llm.engine.runner.controller))
+        out.append(summarize(b, off, on, _controller(llm)))
     bar.close()
     return out
 

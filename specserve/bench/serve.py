@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from specserve.bench import report
-from specserve.bench.workloads import Item, load_dataset
 from specserve.config import SpecserveError
+from specserve.datasets import Item, load_dataset
 
 
 @dataclass

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from specserve.bench.workloads import TRAIN_CODE
+from specserve.datasets import TRAIN_CODE
 from specserve.platform import DEVICE_CHOICES
 
 WORKLOADS = "chat,code,summarize,edit,instructions"
@@ -129,7 +129,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 def _write_held_out(out: str, dataset: str, held: set[str]) -> list[str]:
     """``DIR/heldout-<workload>.jsonl`` per built-in workload: the prompts training never saw, for
     ``specserve bench offline --dataset DIR/heldout-code.jsonl`` (an honest acceptance measurement)."""
-    from specserve.bench.workloads import BUILDERS, load_dataset
+    from specserve.datasets import BUILDERS, load_dataset
     from specserve.distill.data import sources
 
     written = []
@@ -185,7 +185,7 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
         D.save_samples(path, samples, meta)
         train_prompts, held = train_prompts + new_train, held + new_held
     if args.text_tokens > 0 and not meta.get("text_tokens"):
-        from specserve.bench.workloads import CODE_MODULES, SUMMARIZE_MODULES
+        from specserve.datasets import CODE_MODULES, SUMMARIZE_MODULES
 
         chunks = D.stdlib_code_chunks(llm.tokenizer, CODE_MODULES + SUMMARIZE_MODULES, args.text_seq_len, args.seed)
         model = llm.engine.runner.model

@@ -1,6 +1,6 @@
 """Training text for drafts: the target's *own* samples, collected through the engine.
 
-Prompts come from the benchmark workloads (``specserve/bench/workloads.py``: code, summarize, chat, edit), a
+Prompts come from the benchmark workloads (``specserve/datasets.py``: code, summarize, chat, edit), a
 built-in list of everyday instructions (``instructions``), ``stdlib-code`` (``code``-style prompts over the
 stdlib modules no benchmark workload reads: more of the code task, none of its prompts), or a user file
 (``.txt``: one raw prompt per line; ``.json``/``.jsonl``: the workload formats). A stable hash of each
@@ -83,7 +83,7 @@ def sources(spec: str) -> list[str]:
 
 def load_prompts(spec: str, tokenizer: Any) -> list[Prompt]:
     """Comma-separated workload names (code, summarize, chat, edit, instructions, stdlib-code) and/or files."""
-    from specserve.bench.workloads import TRAIN_CODE, build_code_train
+    from specserve.datasets import TRAIN_CODE, build_code_train
 
     out: list[Prompt] = []
     for name in sources(spec):
@@ -96,7 +96,7 @@ def load_prompts(spec: str, tokenizer: Any) -> list[Prompt]:
                 lines = [ln.rstrip("\n") for ln in f if ln.strip()]
             out += [Prompt(f"{os.path.basename(name)}:{i}", tokenizer.encode(ln)) for i, ln in enumerate(lines)]
         else:
-            from specserve.bench.workloads import load_dataset
+            from specserve.datasets import load_dataset
 
             for item in load_dataset(name):
                 ids = tokenizer.apply_chat_template(item.messages) if item.messages is not None \
@@ -194,7 +194,7 @@ def stdlib_code_chunks(tokenizer: Any, exclude: tuple[str, ...], seq_len: int, s
 
     Modules named in ``exclude`` (the benchmark workloads' sources) are skipped, so benchmark prompts stay
     unseen. The files are read, never imported; the tokenizer's BOS (if any) is not added."""
-    from specserve.bench.workloads import stdlib_sources
+    from specserve.datasets import stdlib_sources
 
     files = [path for _, path in stdlib_sources(exclude)]
     random.Random(seed).shuffle(files)

@@ -24,11 +24,11 @@ def acceptance_by_k(target: str | None, method: str, draft_dir: str, prompts: li
     ref = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts, speculative=False)]
     off_s = time.perf_counter() - t0
     num = sum(len(r) for r in ref)
-    controller = llm.engine.runner.controller
-    assert controller is not None
+    drafter = llm.engine.runner.drafter
+    assert drafter is not None
     rows = []
     for k in ks:
-        controller.max_k = k  # NOTE: non-adaptive, so every step drafts exactly min(k, room left) tokens
+        drafter.reset_controller(adaptive=False, max_k=k)  # every step drafts exactly min(k, room left) tokens
         before = llm.get_metrics()["speculative"]
         t0 = time.perf_counter()
         out = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts)]

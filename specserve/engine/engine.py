@@ -48,7 +48,9 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
-    spec: SpecStats = field(default_factory=SpecStats)
+    # Speculation counters of finished requests; live ones are added on reading (``Engine.spec_stats``), so
+    # each verification pass is recorded once, on its request (``Scheduler.update``).
+    finished_spec: SpecStats = field(default_factory=SpecStats)
 
 
 class Engine:
@@ -117,6 +119,7 @@ class Engine:
         if group is None:
             return
         for req, comp in zip(group.children, group.completions):
+            self.stats.finished_spec.merge(req.spec)
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             comp.finish_reason = comp.finish_reason or "abort"
             self._child_group.pop(req.request_id, None)
@@ -133,8 +136,7 @@ class Engine:
     def _update(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
         self.stats.num_steps += 1
         touched: dict[str, _Group] = {}
-        for req, emitted, num_draft in self.scheduler.update(so, ro, self._append):
-            self.stats.spec.record(num_draft, len(emitted) - 1)
+        for req in self.scheduler.update(so, ro, self._append):
             group = self._child_group[req.request_id][0]
             group.first_token = group.first_token or time.monotonic()
             touched[group.request_id] = group
@@ -156,6 +158,7 @@ class Engine:
             self.groups.pop(group.request_id, None)
             for req in group.children:
                 self._child_group.pop(req.request_id, None)
+                self.stats.finished_spec.merge(req.spec)
             self.stats.num_finished += 1
         spec = SpecStats()
         for req in group.children:
@@ -172,6 +175,15 @@ class Engine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics)
 
     # -- introspection --------------------------------------------------------------------------------------
+    def spec_stats(self) -> SpecStats:
+        """Speculation counters over every request so far (finished and live)."""
+        total = SpecStats()
+        total.merge(self.stats.finished_spec)
+        for group in self.groups.values():
+            for req in group.children:
+                total.merge(req.spec)
+        return total
+
     def get_metrics(self) -> dict[str, Any]:
         kv = self.kv
         return {
@@ -188,6 +200,6 @@ class Engine:
             "kv_free_blocks": kv.num_free_blocks,
             "prefix_cache_queries": kv.prefix_stats.queries,
             "prefix_cache_hits": kv.prefix_stats.hits,
-            "speculative": self.stats.spec.as_dict(),
-            "speculative_k": self.runner.controller.last_k if self.runner.controller else 0,
+            "speculative": self.spec_stats().as_dict(),
+            "speculative_k": self.runner.drafter.controller.last_k if self.runner.drafter else 0,
         }

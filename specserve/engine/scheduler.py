@@ -161,10 +161,10 @@ class Scheduler:
     # -- after the step -------------------------------------------------------------------------------------
     def update(self, so: SchedulerOutput, ro: ModelRunnerOutput,
                append: Callable[[Request, list[int], list[dict[str, Any]] | None], RequestStatus | None]
-               ) -> list[tuple[Request, list[int], int]]:
-        """Advance counters, roll back rejected drafts, hand emitted tokens to ``append`` (which applies
-        stop conditions and returns a finishing status), take the next drafts. Returns, per request that
-        emitted tokens: (request, emitted tokens, number of drafts verified)."""
+               ) -> list[Request]:
+        """Advance counters, roll back rejected drafts, record acceptance on the request, hand emitted tokens
+        to ``append`` (which applies stop conditions and returns a finishing status), take the next drafts.
+        Returns the requests that emitted tokens."""
         progressed = []
         for row in so.rows:
             req = self.requests.get(row.req_id)
@@ -181,7 +181,7 @@ class Scheduler:
             req.spec.record(row.num_spec_tokens, num_accepted)
             self.kv.cache_full_blocks(req)
             status = append(req, emitted, ro.logprobs.get(row.req_id))
-            progressed.append((req, emitted, row.num_spec_tokens))
+            progressed.append(req)
             if status is not None:
                 self.finish(req, status)
             else:

@@ -1,4 +1,4 @@
-"""The worker: owns the target (and draft) model and the KV tensors; runs one step.
+"""The worker: owns the target model and the KV tensors (speculation: its drafter); runs one step.
 
 execute(step) = prepare flat inputs -> target forward -> logits at the positions that need them ->
 verify/sample (k = 0 is ordinary decoding) -> propose drafts for the next step.
@@ -10,30 +10,25 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from specserve.config import EngineConfig, SpecserveError
 from specserve.model.attention import make_backend
-from specserve.model.eagle_head import EagleHead, load_eagle_head
+from specserve.model.eagle_head import EagleHead
 from specserve.model.llama import LlamaModel
-from specserve.model.loader import Checkpoint, load_checkpoint
+from specserve.model.loader import Checkpoint
 from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import Platform, resolve_dtype, to_device
 from specserve.sample.rejection_sampler import verify
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
-from specserve.spec_decode.controller import FREE_SOURCE, SpecController
-from specserve.spec_decode.draft_model import DraftModelProposer
-from specserve.spec_decode.eagle import EagleProposer
-from specserve.spec_decode.lookup_first import LookupFirstProposer
-from specserve.spec_decode.ngram import NgramProposer
-from specserve.spec_decode.proposer import Proposer, ProposeRequest
-from specserve.worker.features import FeatureBuffer, FeatureSink, eagle_step, sink_features
+from specserve.spec_decode.proposer import ProposeRequest
+from specserve.worker.drafter import Drafter
+from specserve.worker.features import FeatureSink, sink_features
 from specserve.worker.graphs import CaptureBackend, GraphPlan, ModelStep, batch_buckets, select_capture
 
 log = logging.getLogger("specserve")
@@ -50,8 +45,6 @@ class CachedRequest:
     max_tokens: int
     spec_enabled: bool
     draft_probs: torch.Tensor | None = None  # [k, V] q of the drafts proposed last step (None: one-hot)
-    draft_source: str = ""  # which of the proposer's sources drafted them (the controller's acceptance key)
-    features: FeatureBuffer = field(default_factory=FeatureBuffer)  # EAGLE: target features to hand over
 
 
 def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int,
@@ -78,48 +71,33 @@ class ModelRunner:
         self.arch = target.arch
         self.max_model_len = config.model.max_model_len or target.arch.max_position_embeddings
         self.block_size = config.cache.block_size
-        self.model = build_model(target, platform, self.dtype, self.max_model_len + 64, config.model.quantization)
+        self.model = self._build(target)
         self.weights_note = describe_weights(self.model)  # e.g. "210 int4 matmuls 61 MiB, 1 int8 matmuls 27 MiB"
-        self.draft_model: LlamaModel | EagleHead | None = None
-        spec = config.speculative
-        if spec.enabled and spec.method == "draft":
-            self.draft_model = self._load_draft(spec.model or "")
-        if spec.enabled and spec.method == "eagle":
-            self.draft_model = load_eagle_head(spec.model or "", self.arch, self.model.lm_head_weight, self.dtype,
-                                               self.device, make_backend(platform.attention_backend),
-                                               self.max_model_len + 64)
-            self.model.feature_layers = self.draft_model.cfg.feature_layers  # the layers the head reads
-        # Receives the target's pre-norm features of every row (EAGLE; `specserve distill` sets its own).
-        self.feature_sink: FeatureSink | None = self._keep_features if spec.method == "eagle" else None
+        # Speculation (draft weights, proposer, controller): None when --speculative-* is off.
+        self.drafter = Drafter(config, platform, self.dtype, self.model, self.max_model_len + 64, self._build) \
+            if config.speculative.enabled else None
+        # Receives the target's pre-norm features of every row (a drafter that reads them; `specserve distill`
+        # sets its own through observe_features).
+        self.feature_sink: FeatureSink | None = \
+            self._keep_features if self.drafter is not None and self.drafter.reads_features else None
         self.num_blocks = self._num_blocks()
         capture, graphs_note = select_capture(platform, config.model.enforce_eager)
         self.graph_plan = self._graph_plan(capture) if capture is not None else None
         self.kv_caches = self._alloc_kv(self.model)
-        self.draft_kv_caches = self._alloc_kv(self.draft_model) if self.draft_model else []
         self.target_step = ModelStep(self.model, self.kv_caches, self.block_size, self.device,
                                      plan=self.graph_plan)
         log.info("graphs: %s%s", graphs_note, f"; {self.graph_plan.describe()}" if self.graph_plan else "")
-        self._draft_calls: list[tuple[int, int, float]] = []  # (rows, tokens, seconds) of one proposal's steps
-        self.proposer: Proposer | None = self._make_proposer() if spec.enabled else None
-        self.controller = SpecController(spec.num_speculative_tokens, spec.adaptive) if spec.enabled else None
+        if self.drafter is not None:
+            self.drafter.start(self._alloc_kv, self.kv_caches, self.block_size, self.graph_plan)
         self.requests: dict[str, CachedRequest] = {}
 
     # -- start-up -------------------------------------------------------------------------------------------
-    def _load_draft(self, path: str) -> LlamaModel:
-        ckpt = load_checkpoint(path, keep_quantized=self.config.model.quantization != "none")
-        t, d = self.arch, ckpt.arch
-        if d.vocab_size != t.vocab_size:
-            raise SpecserveError(f"draft model {path} has a vocabulary of {d.vocab_size} tokens but the target has "
-                                 f"{t.vocab_size}: speculative decoding needs the same tokenizer")
-        if (d.bos_token_id, set(d.eos_token_ids)) != (t.bos_token_id, set(t.eos_token_ids)):
-            raise SpecserveError(f"draft model {path} has special tokens bos={d.bos_token_id} "
-                                 f"eos={sorted(d.eos_token_ids)} but the target has bos={t.bos_token_id} "
-                                 f"eos={sorted(t.eos_token_ids)}")
+    def _build(self, ckpt: Checkpoint) -> LlamaModel:
         return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64, self.config.model.quantization)
 
     def kv_bytes_per_block(self) -> int:
         per = 0
-        for m in (self.model, self.draft_model):
+        for m in (self.model, self.drafter.model if self.drafter is not None else None):
             if m is not None:
                 per += 2 * m.arch.num_layers * m.arch.num_kv_heads * m.arch.head_dim * self.dtype.itemsize
         return per * self.block_size
@@ -145,8 +123,8 @@ class ModelRunner:
         if n * self.block_size < self.block_size * 2:
             raise SpecserveError(f"KV cache too small: {n} blocks of {self.block_size} tokens")
         draft_note = ""
-        if self.draft_model is not None:
-            w = sum(p.numel() * p.element_size() for p in self.draft_model.parameters())
+        if self.drafter is not None and self.drafter.model is not None:
+            w = sum(p.numel() * p.element_size() for p in self.drafter.model.parameters())
             draft_note = f" (including the draft's KV; draft weights {w / 2**20:.1f} MiB)"
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB%s", n, self.block_size,
                  n * self.block_size, n * per_block / 2**20, draft_note)
@@ -163,9 +141,7 @@ class ModelRunner:
         return GraphPlan(capture, batch_buckets(self.config.scheduler.max_num_seqs), k + 1, max_blocks,
                          scratch_block=self.num_blocks)
 
-    def _alloc_kv(self, model: LlamaModel | EagleHead | None) -> list[torch.Tensor]:
-        if model is None:
-            return []
+    def _alloc_kv(self, model: LlamaModel | EagleHead) -> list[torch.Tensor]:
         num_blocks = self.num_blocks + (1 if self.graph_plan is not None else 0)
         shape = model.kv_cache_shape(num_blocks, self.block_size)
         # zeros, not empty: padded reads of unused slots must never see NaN/Inf garbage.
@@ -190,74 +166,7 @@ class ModelRunner:
     @property
     def drafts_write_kv(self) -> bool:
         """Whether drafting writes KV ahead of the verified tokens (the scheduler reserves lookahead slots)."""
-        return bool(self.proposer and self.proposer.writes_kv)
-
-    def _make_proposer(self) -> Proposer:
-        spec = self.config.speculative
-        assert spec.prompt_lookup_min is not None
-        if spec.method == "ngram":
-            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        model = self._make_model_proposer()
-        if spec.prompt_lookup_first:
-            return LookupFirstProposer(model, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return model
-
-    def _make_model_proposer(self) -> Proposer:
-        spec = self.config.speculative
-        if spec.method == "draft":
-            assert isinstance(self.draft_model, LlamaModel)
-            return DraftModelProposer(self._timed(self._draft_step(self.draft_model, self.draft_kv_caches, None)),
-                                      shares_target_kv=False, vocab_size=self.arch.vocab_size)
-        if spec.method == "eagle":
-            assert isinstance(self.draft_model, EagleHead)
-            return EagleProposer(self._timed(eagle_step(self.model, self.draft_model, self.draft_kv_caches[0],
-                                                        self.block_size, self.device)),
-                                 self.arch.hidden_size * self.draft_model.cfg.num_feature_layers,
-                                 self.arch.vocab_size)
-        if spec.method == "layer_skip":
-            layers = spec.draft_layers or max(1, self.arch.num_layers // 4)
-            if layers >= self.arch.num_layers:
-                raise SpecserveError(f"--draft-layers {layers} must be below the target's "
-                                     f"{self.arch.num_layers} layers")
-            return DraftModelProposer(self._timed(self._draft_step(self.model, self.kv_caches[:layers], layers)),
-                                      shares_target_kv=True, vocab_size=self.arch.vocab_size)
-        raise SpecserveError(f"speculative method {spec.method!r} is not available in this build")
-
-    def _timed(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        """The proposer's model step, timed per call (rows, tokens, seconds) for the controller's draft cost."""
-        def timed(token_ids: list[list[int]], *args: Any) -> Any:
-            t0 = time.perf_counter()
-            out = step(token_ids, *args)
-            self._draft_calls.append((len(token_ids), sum(len(t) for t in token_ids), time.perf_counter() - t0))
-            return out
-        return timed
-
-    def _draft_step_cost(self, total: float, k: int) -> float:
-        """Seconds one more draft step costs, from the last proposal (``total`` seconds, ``k`` drafts max).
-
-        NOTE: a proposal's first model call also catches the draft up on every token since that request
-        last drafted (many, after the controller paused it); charging that to each step made drafting look
-        expensive, so the controller drafted less, so catch-ups grew (eagle at batch 8: c measured 0.89 vs
-        0.10 with a fixed k). A step is one token per drafting row plus one sampling: the time after the
-        first call measures that; a single-call proposal scales its call by rows / tokens.
-        """
-        calls, self._draft_calls = self._draft_calls, []
-        if not calls:
-            return total / k  # a proposer without model steps (n-gram)
-        rows, tokens, first = calls[0]
-        if len(calls) > 1:
-            return (total - first) / (len(calls) - 1)
-        return first * rows / max(tokens, 1) + (total - first)
-
-    def _draft_step(self, model: LlamaModel, kv: list[torch.Tensor], layers: int | None):
-        forward = ModelStep(model, kv, self.block_size, self.device, layers, self.graph_plan)
-
-        def step(token_ids: list[list[int]], starts: list[int], block_ids: list[tuple[int, ...]]) -> torch.Tensor:
-            return model.compute_logits(forward(token_ids, starts, block_ids).last_hidden())  # [B, V]
-        return step
-
-    def _num_captures(self) -> int:
-        return self.graph_plan.capture.num_captures if self.graph_plan is not None else 0
+        return self.drafter is not None and self.drafter.writes_kv
 
     # -- one step -------------------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -265,7 +174,8 @@ class ModelRunner:
         rows = so.rows
         if not rows:
             return ModelRunnerOutput({}, {})
-        t0, captures = time.perf_counter(), self._num_captures()
+        drafter = self.drafter
+        t0, captures = time.perf_counter(), drafter.num_captures() if drafter is not None else 0
         sink = self.feature_sink
         out = self.target_step([r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
                                [r.block_ids for r in rows], prenorm=sink is not None)
@@ -286,39 +196,37 @@ class ModelRunner:
         processed = process_logits(logits, states, counts, drafts)
         emitted = verify(processed, states, counts, drafts, qs)
         logprobs = self._logprobs(logits, sample_rows, cached, counts, emitted)
-        if self.controller is not None and self._num_captures() == captures:  # a capture step is no cost sample
-            self.controller.record_target(so.total_tokens, time.perf_counter() - t0)
+        if drafter is not None and drafter.num_captures() == captures:  # a capture step is no cost sample
+            drafter.record_target(so.total_tokens, time.perf_counter() - t0)
         for r, c, em in zip(sample_rows, cached, emitted):
             c.state.output_token_ids.extend(em)
             c.token_ids.extend(em)
             c.draft_probs = None
-            if self.controller is not None:
-                self.controller.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1, c.draft_source)
+            if drafter is not None:
+                drafter.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1)
         sampled = {r.req_id: em for r, em in zip(sample_rows, emitted)}
         if sink is not None and prenorm is not None:
             sink_features(rows, sampled, prenorm, sink)
-        spec = self._propose(sample_rows, emitted)
-        return ModelRunnerOutput(sampled, spec, logprobs)
+        spec_token_ids = self._propose(sample_rows, emitted) if drafter is not None else {}
+        return ModelRunnerOutput(sampled, spec_token_ids, logprobs)
 
     def _keep_features(self, req_id: str, pos: int, h: torch.Tensor) -> None:
         c = self.requests.get(req_id)
-        if c is not None and c.spec_enabled:
-            c.features.add(pos, h)
+        if c is not None and c.spec_enabled and self.drafter is not None:
+            self.drafter.keep_features(req_id, pos, h)
 
     def _sync_requests(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
-            if self.proposer is not None:
-                self.proposer.drop(rid)
-            if self.controller is not None:
-                self.controller.drop(rid)
+            if self.drafter is not None:
+                self.drafter.drop(rid)
         for nr in so.new_requests:
             state = RequestSamplingState.create(nr.sampling_params, nr.prompt_token_ids, self.device)
             self.requests[nr.req_id] = CachedRequest(state, list(nr.prompt_token_ids), nr.max_tokens,
                                                      nr.spec_enabled)
         for r in so.rows:
-            if r.resumed and self.proposer is not None:
-                self.proposer.drop(r.req_id)  # its draft KV was freed with its blocks
+            if r.resumed and self.drafter is not None:
+                self.drafter.forget_kv(r.req_id)
 
     @staticmethod
     def _logits_indices(rows: list[ScheduledRequest]) -> list[int]:
@@ -359,38 +267,20 @@ class ModelRunner:
         return out
 
     def _propose(self, rows: list[ScheduledRequest], emitted: list[list[int]]) -> dict[str, list[int]]:
-        if self.proposer is None or self.controller is None:
-            return {}
-        cands = [(r, em) for r, em in zip(rows, emitted) if self.requests[r.req_id].spec_enabled]
-        max_k = self.controller.max_k
-        sources = [self.proposer.source(r.req_id, self.requests[r.req_id].token_ids, max_k) for r, _ in cands]
-        ks = self.controller.choose_ks([r.req_id for r, _ in cands], sources=sources)
-        reqs, req_sources = [], []
-        for (r, em), k, source in zip(cands, ks, sources):
+        """The drafter's drafts for the speculating rows, each capped by the room left (max_tokens, context;
+        a row without room still counts in the controller's batch)."""
+        assert self.drafter is not None
+        cands = []
+        for r, em in zip(rows, emitted):
             c = self.requests[r.req_id]
-            cap = min(k, c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
-            if cap >= 1:
+            room = min(c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
+            if c.spec_enabled:
                 valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
-                # NOTE: lookup drafts read no features; they stay buffered for the model's next proposal.
-                feats = c.features.take() if source != FREE_SOURCE else None
-                reqs.append(ProposeRequest(r.req_id, c.token_ids, valid, cap, r.block_ids, c.state, feats))
-                req_sources.append(source)
-        if not reqs:
-            return {}
-        t0, captures = time.perf_counter(), self._num_captures()
-        self._draft_calls = []
-        drafts = self.proposer.propose(reqs)
-        stepped = [pr.k for pr, s in zip(reqs, req_sources) if s != FREE_SOURCE]  # drafts that cost model steps
-        step_cost = self._draft_step_cost(time.perf_counter() - t0, max(stepped, default=1))
-        if stepped and self._num_captures() == captures:  # a step that captured a graph is no cost sample
-            self.controller.record_draft(len(stepped), step_cost)
-        out = {}
-        for pr, d, source in zip(reqs, drafts, req_sources):
-            if d.token_ids:
-                out[pr.req_id] = d.token_ids
-                self.requests[pr.req_id].draft_probs = d.probs
-                self.requests[pr.req_id].draft_source = source
-        return out
+                cands.append(ProposeRequest(r.req_id, c.token_ids, valid, room, r.block_ids, c.state))
+        drafts = self.drafter.propose(cands) if cands else {}
+        for req_id, d in drafts.items():
+            self.requests[req_id].draft_probs = d.probs
+        return {req_id: d.token_ids for req_id, d in drafts.items()}
 
 
 def _available_memory(platform: Platform) -> float:

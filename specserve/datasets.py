@@ -12,7 +12,7 @@ Stdlib sources are read from the files (never imported), walked with ``ast`` in 
 selected with a stable hash, so two builds on the same Python version are byte-identical. Each prompt
 records its provenance (module, qualified name, file relative to the stdlib, line).
 
-    python -m specserve.bench.workloads --out specserve/data/workloads   # rebuild the shipped files
+    python -m specserve.datasets --out specserve/data/workloads   # rebuild the shipped files
 
 Users' own data: ``load_dataset("my.jsonl")``, one JSON object per line with a ``prompt`` (raw
 completion) or ``messages`` (chat) field.
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKLOADS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "workloads")
+WORKLOADS_DIR = os.path.join(os.path.dirname(__file__), "data", "workloads")
 
 # Pure-Python stdlib modules present on every CPython >= 3.10 and read without importing them.
 CODE_MODULES = (
@@ -327,7 +327,7 @@ def build_summarize() -> list[Item]:
 
 
 def build_chat() -> list[Item]:
-    src = {"file": "specserve/bench/workloads.py", "qualname": "CHAT_INSTRUCTIONS"}
+    src = {"file": "specserve/datasets.py", "qualname": "CHAT_INSTRUCTIONS"}
     return [Item(f"chat-{i:03d}", _user(t), source={**src, "index": i}, task="chat")
             for i, t in enumerate(CHAT_INSTRUCTIONS)]
 
@@ -387,7 +387,7 @@ def build(name: str) -> dict[str, Any]:
     return {
         "name": name,
         "description": DESCRIPTIONS[name],
-        "builder": f"specserve.bench.workloads.{BUILDERS[name].__name__}",
+        "builder": f"specserve.datasets.{BUILDERS[name].__name__}",
         "python_version": platform.python_version(),
         "num_prompts": len(items),
         "prompts": [it.to_json() for it in items],

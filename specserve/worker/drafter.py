@@ -1,0 +1,236 @@
+"""The drafter: the worker's side of speculative decoding, behind one call per step.
+
+It owns everything only speculation needs: the draft model or EAGLE head and its KV, the proposer, the
+adaptive controller, the timing of draft steps (the controller's cost model) and the target features an
+EAGLE head reads. The model runner runs the target, verifies, reports what it measured
+(``record_target``, ``record_acceptance``) and asks ``propose(candidates)`` once per step.
+
+``--speculative-method`` is resolved here, once, at start-up (``_load_draft_model``, ``_make_proposer``);
+nothing on the hot path branches on it. See docs/speculation.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from specserve.config import EngineConfig, ModelArch, SpecserveError
+from specserve.model.attention import make_backend
+from specserve.model.eagle_head import EagleHead, load_eagle_head
+from specserve.model.llama import LlamaModel
+from specserve.model.loader import load_checkpoint
+from specserve.platform import Platform
+from specserve.spec_decode.controller import FREE_SOURCE, SpecController
+from specserve.spec_decode.draft_model import DraftModelProposer
+from specserve.spec_decode.eagle import EagleProposer
+from specserve.spec_decode.lookup_first import LookupFirstProposer
+from specserve.spec_decode.ngram import NgramProposer
+from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
+from specserve.worker.features import FeatureBuffer, eagle_step
+from specserve.worker.graphs import GraphPlan, ModelStep
+
+# Builds a model the way the target was built (dtype, quantization, attention backend, kernels).
+ModelBuilder = Callable[..., LlamaModel]
+KvAllocator = Callable[[LlamaModel | EagleHead], list[torch.Tensor]]
+
+
+class Drafter:
+    """Speculation on the worker. Start-up is two calls: the constructor loads the draft weights (the KV
+    budget needs their size), ``start`` gets the KV tensors and the graph plan and builds the proposer."""
+
+    def __init__(self, config: EngineConfig, platform: Platform, dtype: torch.dtype, target: LlamaModel,
+                 max_positions: int, build: ModelBuilder) -> None:
+        self.config = config
+        self.spec = config.speculative
+        self.platform = platform
+        self.dtype = dtype
+        self.target = target
+        self.max_positions = max_positions
+        self.build = build
+        self.model: LlamaModel | EagleHead | None = self._load_draft_model()
+        # Whether the proposer reads the target's features (the runner then hands each step's over).
+        self.reads_features = isinstance(self.model, EagleHead)
+        if isinstance(self.model, EagleHead):
+            target.feature_layers = self.model.cfg.feature_layers  # the layers the head reads
+        self.controller = SpecController(self.spec.num_speculative_tokens, self.spec.adaptive)
+        self.kv_caches: list[torch.Tensor] = []
+        self.proposer: Proposer | None = None
+        self._plan: GraphPlan | None = None
+        self._features: dict[str, FeatureBuffer] = {}
+        self._sources: dict[str, str] = {}  # req_id -> the source of its drafts in flight
+        self._calls: list[tuple[int, int, float]] = []  # (rows, tokens, seconds) of one proposal's model steps
+
+    # -- start-up -------------------------------------------------------------------------------------------
+    def _load_draft_model(self) -> LlamaModel | EagleHead | None:
+        spec, arch = self.spec, self.target.arch
+        if spec.method == "draft":
+            ckpt = load_checkpoint(spec.model or "", keep_quantized=self.config.model.quantization != "none")
+            check_draft_vocabulary(spec.model or "", arch, ckpt.arch)
+            return self.build(ckpt)
+        if spec.method == "eagle":
+            return load_eagle_head(spec.model or "", arch, self.target.lm_head_weight, self.dtype,
+                                   self.platform.device, make_backend(self.platform.attention_backend),
+                                   self.max_positions)
+        return None
+
+    def start(self, alloc_kv: KvAllocator, target_kv: list[torch.Tensor], block_size: int,
+              plan: GraphPlan | None) -> None:
+        self._plan = plan
+        self.kv_caches = alloc_kv(self.model) if self.model is not None else []
+        self.proposer = self._make_proposer(target_kv, block_size)
+
+    @property
+    def writes_kv(self) -> bool:
+        """Whether drafting writes KV ahead of the verified tokens (the scheduler reserves lookahead slots)."""
+        return bool(self.proposer and self.proposer.writes_kv)
+
+    def _make_proposer(self, target_kv: list[torch.Tensor], block_size: int) -> Proposer:
+        spec = self.spec
+        assert spec.prompt_lookup_min is not None
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        model = self._make_model_proposer(target_kv, block_size)
+        if spec.prompt_lookup_first:
+            return LookupFirstProposer(model, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return model
+
+    def _make_model_proposer(self, target_kv: list[torch.Tensor], block_size: int) -> Proposer:
+        spec, arch, device = self.spec, self.target.arch, self.platform.device
+        if spec.method == "draft":
+            assert isinstance(self.model, LlamaModel)
+            step = self._logits_step(self.model, self.kv_caches, block_size, None)
+            return DraftModelProposer(self._timed(step), shares_target_kv=False, vocab_size=arch.vocab_size)
+        if spec.method == "eagle":
+            assert isinstance(self.model, EagleHead)
+            step = eagle_step(self.target, self.model, self.kv_caches[0], block_size, device)
+            return EagleProposer(self._timed(step), arch.hidden_size * self.model.cfg.num_feature_layers,
+                                 arch.vocab_size)
+        if spec.method == "layer_skip":
+            layers = spec.draft_layers or max(1, arch.num_layers // 4)
+            if layers >= arch.num_layers:
+                raise SpecserveError(f"--draft-layers {layers} must be below the target's {arch.num_layers} layers")
+            step = self._logits_step(self.target, target_kv[:layers], block_size, layers)
+            return DraftModelProposer(self._timed(step), shares_target_kv=True, vocab_size=arch.vocab_size)
+        raise SpecserveError(f"speculative method {spec.method!r} is not available in this build")
+
+    def _logits_step(self, model: LlamaModel, kv: list[torch.Tensor], block_size: int, layers: int | None):
+        forward = ModelStep(model, kv, block_size, self.platform.device, layers, self._plan)
+
+        def step(token_ids: list[list[int]], starts: list[int], block_ids: list[tuple[int, ...]]) -> torch.Tensor:
+            return model.compute_logits(forward(token_ids, starts, block_ids).last_hidden())  # [B, V]
+        return step
+
+    def _timed(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """The proposer's model step, timed per call (rows, tokens, seconds) for the controller's draft cost."""
+        def timed(token_ids: list[list[int]], *args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = step(token_ids, *args)
+            self._calls.append((len(token_ids), sum(len(t) for t in token_ids), time.perf_counter() - t0))
+            return out
+        return timed
+
+    # -- per request ----------------------------------------------------------------------------------------
+    def keep_features(self, req_id: str, pos: int, h: torch.Tensor) -> None:
+        """The target's features of positions pos.. (a feature sink), buffered until the request's next
+        model proposal."""
+        self._features.setdefault(req_id, FeatureBuffer()).add(pos, h)
+
+    def drop(self, req_id: str) -> None:
+        """Forget a finished request."""
+        self.forget_kv(req_id)
+        self.controller.drop(req_id)
+        self._features.pop(req_id, None)
+        self._sources.pop(req_id, None)
+
+    def forget_kv(self, req_id: str) -> None:
+        """A preempted request resumes: its draft KV was freed with its blocks."""
+        if self.proposer is not None:
+            self.proposer.drop(req_id)
+
+    # -- per step -------------------------------------------------------------------------------------------
+    def record_target(self, num_tokens: int, seconds: float) -> None:
+        """One target step's cost (the runner skips steps that captured a graph)."""
+        self.controller.record_target(num_tokens, seconds)
+
+    def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int) -> None:
+        self.controller.record_acceptance(req_id, num_draft, num_accepted, self._sources.pop(req_id, ""))
+
+    def propose(self, cands: list[ProposeRequest]) -> dict[str, Draft]:
+        """Drafts for the next step. ``cands``: the speculating requests after this step, each with ``k`` the
+        most drafts it has room for; the controller picks each one's k within that (0: no drafts)."""
+        assert self.proposer is not None, "Drafter.start was not called"
+        proposer, controller = self.proposer, self.controller
+        sources = [proposer.source(c.req_id, c.token_ids, controller.max_k) for c in cands]
+        ks = controller.choose_ks([c.req_id for c in cands], sources=sources)
+        reqs, req_sources = [], []
+        for c, k, source in zip(cands, ks, sources):
+            c.k = min(k, c.k)
+            if c.k >= 1:
+                buf = self._features.get(c.req_id)
+                # NOTE: lookup drafts read no features; they stay buffered for the model's next proposal.
+                c.features = buf.take() if buf is not None and source != FREE_SOURCE else None
+                reqs.append(c)
+                req_sources.append(source)
+        if not reqs:
+            return {}
+        t0, captures = time.perf_counter(), self.num_captures()
+        self._calls = []
+        drafts = proposer.propose(reqs)
+        stepped = [r.k for r, s in zip(reqs, req_sources) if s != FREE_SOURCE]  # drafts that cost model steps
+        step_cost = draft_step_cost(self._calls, time.perf_counter() - t0, max(stepped, default=1))
+        self._calls = []
+        if stepped and self.num_captures() == captures:  # a step that captured a graph is no cost sample
+            controller.record_draft(len(stepped), step_cost)
+        out = {}
+        for r, d, source in zip(reqs, drafts, req_sources):
+            if d.token_ids:
+                out[r.req_id] = d
+                self._sources[r.req_id] = source
+        return out
+
+    def num_captures(self) -> int:
+        return self._plan.capture.num_captures if self._plan is not None else 0
+
+    # -- per run (benchmarks, `specserve distill`) ----------------------------------------------------------
+    def reset_controller(self, *, adaptive: bool | None = None, max_k: int | None = None) -> SpecController:
+        """A fresh controller (no fitted costs, no acceptance history): adaptive or a fixed k, up to the
+        configured ``--num-speculative-tokens`` (the graphs and lookahead slots are sized for it)."""
+        k = self.spec.num_speculative_tokens if max_k is None else max_k
+        if not 1 <= k <= self.spec.num_speculative_tokens:
+            raise ValueError(f"k={k} is outside 1..{self.spec.num_speculative_tokens} (--num-speculative-tokens)")
+        old = self.controller
+        self.controller = SpecController(k, old.adaptive if adaptive is None else adaptive)
+        self.controller.cost_observers = old.cost_observers
+        return self.controller
+
+
+def draft_step_cost(calls: list[tuple[int, int, float]], total: float, k: int) -> float:
+    """Seconds one more draft step costs, from one proposal: ``total`` seconds, at most ``k`` drafts per
+    request, ``calls`` its model calls as (rows, tokens, seconds).
+
+    NOTE: a proposal's first model call also catches the draft up on every token since that request last
+    drafted (many, after the controller paused it). Charging that to each step would make drafting look
+    expensive, so the controller would draft less and the catch-ups would grow. A step is one token per
+    drafting row plus one sampling: the time after the first call measures that; a single-call proposal
+    scales its call by rows / tokens.
+    """
+    if not calls:
+        return total / k  # a proposer without model steps (n-gram)
+    rows, tokens, first = calls[0]
+    if len(calls) > 1:
+        return (total - first) / (len(calls) - 1)
+    return first * rows / max(tokens, 1) + (total - first)
+
+
+def check_draft_vocabulary(path: str, target: ModelArch, draft: ModelArch) -> None:
+    """A draft model must share the target's tokenizer: the same vocabulary size and special tokens."""
+    if draft.vocab_size != target.vocab_size:
+        raise SpecserveError(f"draft model {path} has a vocabulary of {draft.vocab_size} tokens but the target has "
+                             f"{target.vocab_size}: speculative decoding needs the same tokenizer")
+    if (draft.bos_token_id, set(draft.eos_token_ids)) != (target.bos_token_id, set(target.eos_token_ids)):
+        raise SpecserveError(f"draft model {path} has special tokens bos={draft.bos_token_id} "
+                             f"eos={sorted(draft.eos_token_ids)} but the target has bos={target.bos_token_id} "
+                             f"eos={sorted(target.eos_token_ids)}")

@@ -1,0 +1,73 @@
+"""The drafter owns speculation on the worker: the model runner never branches on the speculative method, and
+per-run overrides (benchmarks, `specserve distill`) go through the drafter's public calls."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from specserve import SamplingParams
+from specserve.config import SPEC_METHODS
+from specserve.llm import LLM
+from tests.helpers import save_tiny_checkpoint
+
+RUNNER = pathlib.Path(__file__).parents[1] / "specserve" / "worker" / "model_runner.py"
+
+
+def test_model_runner_holds_no_proposer_specific_code():
+    tree = ast.parse(RUNNER.read_text(encoding="utf-8"))
+    strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert not strings & set(SPEC_METHODS), "the runner branches on a speculative method"
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    # the request type proposers take is the one spec_decode name the runner needs
+    assert {m for m in imported if m.startswith("specserve.spec_decode")} <= {"specserve.spec_decode.proposer"}
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not names & {"SpecController", "NgramProposer", "DraftModelProposer", "EagleProposer",
+                        "LookupFirstProposer"}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+    return LLM(path, speculative_method="ngram", num_speculative_tokens=4, max_num_seqs=2, dtype="float32",
+               num_blocks=64)
+
+
+def test_reset_controller_fixed_k_drafts_exactly_k(llm):
+    drafter = llm.engine.runner.drafter
+    seen: list[tuple[str, int, float]] = []
+    drafter.controller.cost_observers.append(lambda kind, n, s: seen.append((kind, n, s)))
+    controller = drafter.reset_controller(adaptive=False, max_k=2)
+    assert drafter.controller is controller and controller.max_k == 2 and not controller.adaptive
+    prompt = "ab ab ab ab ab ab ab ab ab ab ab ab"
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    spec = out.metrics["speculative"]
+    assert spec["num_drafts"] > 0
+    assert len(spec["accepted_per_position"]) <= 2  # no position beyond k = 2 was drafted
+    assert spec["draft_tokens"] <= 2 * spec["num_drafts"]
+    assert any(kind == "target" for kind, _, _ in seen)  # the observers moved to the fresh controller
+    with pytest.raises(ValueError, match="outside 1..4"):
+        drafter.reset_controller(max_k=5)
+    drafter.reset_controller(adaptive=True)
+    assert drafter.controller.max_k == 4
+
+
+def test_no_drafter_without_speculation(tmp_path):
+    path = save_tiny_checkpoint(tmp_path)
+    llm = LLM(path, dtype="float32", num_blocks=16)
+    assert llm.engine.runner.drafter is None and not llm.engine.runner.drafts_write_kv
+    assert llm.get_metrics()["speculative_k"] == 0
+
+
+def test_engine_counters_are_the_requests_counters(llm):
+    """Acceptance is recorded once, on the request; the engine's totals add finished and live requests."""
+    keys = ("num_drafts", "draft_tokens", "accepted_tokens")
+    before = llm.get_metrics()["speculative"]
+    outs = llm.generate(["xy xy xy xy xy xy xy", "hello hello hello hello"],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    after = llm.get_metrics()["speculative"]
+    for key in keys:
+        assert after[key] - before[key] == sum(o.metrics["speculative"][key] for o in outs)
+    assert after["num_drafts"] > before["num_drafts"]
