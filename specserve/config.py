@@ -273,7 +273,7 @@ class EngineConfig:
         cache_kw, sched_kw = take(CacheConfig), take(SchedulerConfig)
         spec_kws = [flag_keyword(f) for f in fields(SpeculativeConfig) if "flag" in f.metadata]
         spec_kw = {k: v for k in [*spec_kws, "speculative_config"] if (v := kw.pop(k, None)) is not None}
-        spec = SpeculativeConfig.from_args(**spec_kw)
+        spec_config = SpeculativeConfig.from_args(**spec_kw)
         if kw:
             raise TypeError(f"unknown engine arguments: {sorted(kw)}")
-        return EngineConfig(model_cfg, CacheConfig(**cache_kw), SchedulerConfig(**sched_kw), spec)
+        return EngineConfig(model_cfg, CacheConfig(**cache_kw), SchedulerConfig(**sched_kw), spec_config)

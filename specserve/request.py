@@ -107,7 +107,7 @@ class Request:
     resumed: bool = False  # scheduled again after preemption (the worker drops draft state)
     spec_enabled: bool = True  # per-request switch (e.g. the API's `speculative: false`)
     stop_reason: int | str | None = None
-    spec: SpecStats = field(default_factory=SpecStats)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
     group_id: str | None = None  # n > 1: siblings share the prompt (scheduled after the first prefill)
 
     def __post_init__(self) -> None:

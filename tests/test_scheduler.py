@@ -141,8 +141,8 @@ def test_many_requests_match_reference(draft_k):
     for p, r in zip(ps, reqs):
         assert r.output_token_ids == reference(p, 12)
     if draft_k:
-        assert sum(r.spec.accepted_tokens for r in reqs) > 0
-        assert sum(r.spec.draft_tokens - r.spec.accepted_tokens for r in reqs) > 0  # rollbacks
+        assert sum(r.spec_stats.accepted_tokens for r in reqs) > 0
+        assert sum(r.spec_stats.draft_tokens - r.spec_stats.accepted_tokens for r in reqs) > 0  # rollbacks
     assert_pool_full(sched)
 
 

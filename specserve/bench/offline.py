@@ -76,7 +76,7 @@ class Run:
     num_requests: int
     output_tokens: int
     outputs: list[list[int]]
-    spec: dict[str, Any]
+    spec_stats: dict[str, Any]
     target_samples: list[tuple[int, float]] = field(default_factory=list)
     draft_samples: list[tuple[int, float]] = field(default_factory=list)
 
@@ -86,7 +86,7 @@ class Run:
 
     def raw(self) -> dict[str, Any]:
         return {"speculative": self.speculative, "seconds": round(self.seconds, 5), "tok_s": round(self.tok_s, 3),
-                "num_requests": self.num_requests, "output_tokens": self.output_tokens, "spec": self.spec}
+                "num_requests": self.num_requests, "output_tokens": self.output_tokens, "spec": self.spec_stats}
 
 
 @contextlib.contextmanager
@@ -140,8 +140,8 @@ def run_once(llm, prompts: list[list[int]], batch_size: int, max_tokens: int, sp
         outs = llm.generate(None, params, prompt_token_ids=reqs, speculative=speculative)
         secs = time.perf_counter() - t0
     toks = [list(o.outputs[0].token_ids) for o in outs]
-    spec = SpecStats.total(o.metrics.get("speculative") or {} for o in outs).as_dict()
-    return Run(speculative, batch_size, secs, n, sum(len(t) for t in toks), toks, spec, tgt, drf)
+    spec_stats = SpecStats.total(o.metrics.get("speculative") or {} for o in outs).as_dict()
+    return Run(speculative, batch_size, secs, n, sum(len(t) for t in toks), toks, spec_stats, tgt, drf)
 
 
 # -- per batch size summary -----------------------------------------------------------------------------------
@@ -167,8 +167,8 @@ def _mismatches(off: list[Run], on: list[Run]) -> tuple[int, list[dict[str, Any]
 
 def summarize(batch_size: int, off: list[Run], on: list[Run], controller) -> dict[str, Any]:
     off_tps, on_tps = _median([r.tok_s for r in off]), _median([r.tok_s for r in on])
-    spec = SpecStats.total(r.spec for r in on).as_dict()
-    drafts, drafted, accepted = spec["num_drafts"], spec["draft_tokens"], spec["accepted_tokens"]
+    spec_stats = SpecStats.total(r.spec_stats for r in on).as_dict()
+    drafts, drafted, accepted = spec_stats["num_drafts"], spec_stats["draft_tokens"], spec_stats["accepted_tokens"]
     k_used = drafted / drafts if drafts else 0.0
     mean_len = 1.0 + accepted / drafts if drafts else 1.0
     alpha = alpha_from_length(mean_len, k_used)
@@ -190,7 +190,7 @@ def summarize(batch_size: int, off: list[Run], on: list[Run], controller) -> dic
         "off_tok_s": off_tps, "on_tok_s": on_tps, "ratio": ratio,
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_acceptance_length": mean_len if drafts else None,
-        "acceptance_per_position": [n / drafts for n in spec["accepted_per_position"]] if drafts else [],
+        "acceptance_per_position": [n / drafts for n in spec_stats["accepted_per_position"]] if drafts else [],
         "k_used": k_used if drafts else None, "k_max": controller.max_k if controller is not None else None,
         "drafting_pass_fraction": drafts / passes if passes > 0 else None,
         "alpha": alpha if drafts else None,
@@ -198,14 +198,14 @@ def summarize(batch_size: int, off: list[Run], on: list[Run], controller) -> dic
         "ideal_speedup": ideal, "efficiency": efficiency(ratio, ideal),
         "model_speedup": model_speedup(alpha, k_used, batch_size, t_tgt_fit, t_drf) if drafts else None,
         "mismatches": n_bad, "mismatch_examples": examples,
-        "runs": [r.raw() for r in off + on], "spec_totals": spec,
+        "runs": [r.raw() for r in off + on], "spec_totals": spec_stats,
     }
 
 
 def warm_up(llm, prompts: list[list[int]], max_tokens: int) -> None:
     """Excluded from the figures: first-call allocations, thread pools, the proposer's code paths."""
-    for spec in (False, True):
-        run_once(llm, prompts[:2], 2, min(8, max_tokens), spec)
+    for speculative in (False, True):
+        run_once(llm, prompts[:2], 2, min(8, max_tokens), speculative)
 
 
 def run_offline(llm, prompts: list[list[int]], batch_sizes: list[int], max_tokens: int, repeats: int,
@@ -220,10 +220,10 @@ def run_offline(llm, prompts: list[list[int]], batch_sizes: list[int], max_token
         off: list[Run] = []
         on: list[Run] = []
         for r in range(repeats):
-            for spec in ((False, True) if r % 2 == 0 else (True, False)):
-                run = run_once(llm, prompts, b, max_tokens, spec, ignore_eos)
-                (on if spec else off).append(run)
-                bar.set_postfix(batch=b, spec="on" if spec else "off", tok_s=f"{run.tok_s:.1f}")
+            for speculative in ((False, True) if r % 2 == 0 else (True, False)):
+                run = run_once(llm, prompts, b, max_tokens, speculative, ignore_eos)
+                (on if speculative else off).append(run)
+                bar.set_postfix(batch=b, spec="on" if speculative else "off", tok_s=f"{run.tok_s:.1f}")
                 bar.update(1)
         out.append(summarize(b, off, on, _controller(llm)))
     bar.close()
@@ -256,19 +256,19 @@ def _hf_generate(model, ids: list[int], max_tokens: int, ignore_eos: bool, eos: 
     return time.perf_counter() - t0, out[0, len(ids):].tolist()
 
 
-def run_hf_peer(model_path: str | None, spec: dict[str, Any], prompts: list[list[int]], max_tokens: int,
+def run_hf_peer(model_path: str | None, spec_config: dict[str, Any], prompts: list[list[int]], max_tokens: int,
                 repeats: int, ignore_eos: bool, eos_ids, reference: list[list[int]],
                 batch1: dict[str, Any] | None) -> dict[str, Any]:
     """HF ``generate`` at batch 1, greedy, same prompt ids: plain, prompt lookup with the same k, and
     ``assistant_model`` when a draft checkpoint is given; tok/s medians and agreement with specserve."""
     from specserve.model.loader import default_model_path
 
-    k = int(spec["num_speculative_tokens"])
+    k = int(spec_config["num_speculative_tokens"])
     eos = sorted(eos_ids)
     hf = _hf_load(model_path or default_model_path())
     modes: dict[str, dict[str, Any]] = {"hf": {}, f"hf prompt_lookup k={k}": {"prompt_lookup_num_tokens": k}}
-    if spec.get("model"):
-        draft = _hf_load(spec["model"])
+    if spec_config.get("model"):
+        draft = _hf_load(spec_config["model"])
         draft.generation_config.num_assistant_tokens = k
         modes["hf assistant_model"] = {"assistant_model": draft}
     for extra in modes.values():  # warm-up, excluded
@@ -515,13 +515,13 @@ def cmd_offline(args: argparse.Namespace) -> int:
               f"repeated to fill the batch", file=sys.stderr)
     batches = run_offline(llm, prompts, batch_sizes, args.max_tokens, args.repeats, args.ignore_eos,
                           progress=not args.no_progress)
-    spec = dataclasses.asdict(llm.engine.config.speculative)
+    spec_config = dataclasses.asdict(llm.engine.config.speculative)
     doc = report.header("offline", {k: v for k, v in vars(args).items() if k != "func"})
-    doc.update(model=model or default_model_path(), speculative=spec, num_prompts=len(prompts),
+    doc.update(model=model or default_model_path(), speculative=spec_config, num_prompts=len(prompts),
                prompt_tokens=[len(p) for p in prompts], batches=batches,
                engine_metrics=llm.get_metrics())
-    print(f"\nspeculation: {spec['method']} k<={spec['num_speculative_tokens']} "
-          f"adaptive={spec['adaptive']}; dataset {args.dataset}, {len(prompts)} prompts, "
+    print(f"\nspeculation: {spec_config['method']} k<={spec_config['num_speculative_tokens']} "
+          f"adaptive={spec_config['adaptive']}; dataset {args.dataset}, {len(prompts)} prompts, "
           f"max_tokens {args.max_tokens}, median of {args.repeats}")
     b1 = next((b for b in batches if b["batch_size"] == 1), None)
     ref = run_once(llm, prompts, 1, args.max_tokens, False, args.ignore_eos).outputs if peers else []
@@ -539,7 +539,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         print("\npeer llama.cpp (batch 1, greedy):")
         print(report.table(report.peer_rows(doc["llama_cpp"]), ["engine", "tok/s", "same tokens"]))
     if "hf" in peers:
-        doc["peer"] = run_hf_peer(model, spec, prompts, args.max_tokens, args.repeats, args.ignore_eos,
+        doc["peer"] = run_hf_peer(model, spec_config, prompts, args.max_tokens, args.repeats, args.ignore_eos,
                                   llm.engine.eos_token_ids, ref, b1)
         print("\npeer (batch 1, greedy):")
         print(report.table(report.peer_rows(doc["peer"]), ["engine", "tok/s", "same tokens"]))

@@ -65,12 +65,12 @@ def write_text(out_dir: str, name: str, text: str) -> str:
 
 
 # -- tables -------------------------------------------------------------------------------------------------
-def _fmt(v: Any, spec: str) -> str:
+def _fmt(v: Any, format_spec: str) -> str:
     if v is None:
         return "-"
     if isinstance(v, float) and v != v:  # NaN
         return "-"
-    return format(v, spec)
+    return format(v, format_spec)
 
 
 def table(rows: list[list[str]], headers: list[str], markdown: bool = False) -> str:

@@ -210,19 +210,19 @@ def _prompts(args: argparse.Namespace, llm: Any, dataset: str) -> tuple[list[Any
     return train_prompts, held
 
 
-def feature_layers(spec: str, num_layers: int) -> tuple[int, ...] | None:
+def feature_layers(layers_arg: str, num_layers: int) -> tuple[int, ...] | None:
     """--feature-layers -> the target layers (1-based) a head reads; None for the last layer alone."""
-    if spec == "last":
+    if layers_arg == "last":
         return None
-    if spec == "eagle3":
+    if layers_arg == "eagle3":
         layers = sorted({min(2, num_layers), max(1, num_layers // 2), num_layers})
     else:
         try:
-            layers = [int(x) for x in spec.split(",") if x.strip()]
+            layers = [int(x) for x in layers_arg.split(",") if x.strip()]
         except ValueError:
-            raise ValueError(f"--feature-layers {spec!r}: use 'last', 'eagle3' or layer numbers like 2,15,30") from None
+            raise ValueError(f"--feature-layers {layers_arg!r}: use 'last', 'eagle3' or layer numbers like 2,15,30") from None
     if not layers or layers != sorted(set(layers)) or layers[0] < 1 or layers[-1] != num_layers:
-        raise ValueError(f"--feature-layers {spec!r}: increasing layer numbers from 1 that end with the last "
+        raise ValueError(f"--feature-layers {layers_arg!r}: increasing layer numbers from 1 that end with the last "
                          f"layer ({num_layers})")
     return None if layers == [num_layers] else tuple(layers)
 

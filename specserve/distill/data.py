@@ -76,17 +76,17 @@ def builtin_instructions() -> list[tuple[str, list[dict[str, str]]]]:
             for i, (tpl, topic) in enumerate((tpl, t) for t in _TOPICS for tpl in _TEMPLATES)]
 
 
-def sources(spec: str) -> list[str]:
+def sources(dataset_arg: str) -> list[str]:
     """``--dataset``'s comma-separated source names, in order."""
-    return [s.strip() for s in spec.split(",") if s.strip()]
+    return [s.strip() for s in dataset_arg.split(",") if s.strip()]
 
 
-def load_prompts(spec: str, tokenizer: Any) -> list[Prompt]:
+def load_prompts(dataset_arg: str, tokenizer: Any) -> list[Prompt]:
     """Comma-separated workload names (code, summarize, chat, edit, instructions, stdlib-code) and/or files."""
     from specserve.datasets import TRAIN_CODE, build_code_train
 
     out: list[Prompt] = []
-    for name in sources(spec):
+    for name in sources(dataset_arg):
         if name == "instructions":
             out += [Prompt(i, tokenizer.apply_chat_template(m)) for i, m in builtin_instructions()]
         elif name == TRAIN_CODE:
@@ -103,7 +103,7 @@ def load_prompts(spec: str, tokenizer: Any) -> list[Prompt]:
                     else tokenizer.encode(item.prompt or "")
                 out.append(Prompt(item.id, ids))
     if not out:
-        raise ValueError(f"--dataset {spec!r} gave no prompts")
+        raise ValueError(f"--dataset {dataset_arg!r} gave no prompts")
     return out
 
 

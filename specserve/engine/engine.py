@@ -64,8 +64,7 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        spec = config.speculative
-        lookahead = spec.num_speculative_tokens if self.runner.drafts_write_kv else 0
+        lookahead = config.speculative.num_speculative_tokens if self.runner.drafts_write_kv else 0
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, lookahead)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(target.arch.eos_token_ids)
         self.model_name = target.name
@@ -119,7 +118,7 @@ class Engine:
         if group is None:
             return
         for req, comp in zip(group.children, group.completions):
-            self.stats.finished_spec.merge(req.spec)
+            self.stats.finished_spec.merge(req.spec_stats)
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             comp.finish_reason = comp.finish_reason or "abort"
             self._child_group.pop(req.request_id, None)
@@ -158,14 +157,14 @@ class Engine:
             self.groups.pop(group.request_id, None)
             for req in group.children:
                 self._child_group.pop(req.request_id, None)
-                self.stats.finished_spec.merge(req.spec)
+                self.stats.finished_spec.merge(req.spec_stats)
             self.stats.num_finished += 1
-        spec = SpecStats()
+        spec_stats = SpecStats()
         for req in group.children:
-            spec.merge(req.spec)
+            spec_stats.merge(req.spec_stats)
         now = time.monotonic()
         metrics: dict[str, Any] = {
-            "speculative": spec.as_dict(),
+            "speculative": spec_stats.as_dict(),
             "ttft_s": (group.first_token - group.arrival) if group.first_token else None,
             "elapsed_s": now - group.arrival,
             "num_preemptions": sum(r.num_preemptions for r in group.children),
@@ -181,7 +180,7 @@ class Engine:
         total.merge(self.stats.finished_spec)
         for group in self.groups.values():
             for req in group.children:
-                total.merge(req.spec)
+                total.merge(req.spec_stats)
         return total
 
     def get_metrics(self) -> dict[str, Any]:

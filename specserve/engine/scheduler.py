@@ -1,6 +1,6 @@
 """Token-budget continuous batching with chunked prefill, draft lookahead and preemption by recompute.
 
-There are no phases: each step gives every running request ``num_tokens + len(spec) - num_computed`` new
+There are no phases: each step gives every running request ``num_tokens + len(drafts) - num_computed`` new
 tokens (the rest of its prompt, its last sampled token, its drafts) as far as the token budget allows, then
 admits waiting requests FCFS. When blocks run out, the most recently admitted running request is preempted:
 its blocks are freed and ``num_computed_tokens`` goes back to 0 (recompute on resume).
@@ -140,16 +140,16 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens
             known = req.all_token_ids[start:start + n]
-            spec = req.spec_token_ids[:n - len(known)]
+            drafts = req.spec_token_ids[:n - len(known)]
             if req.request_id in self._unseen:
                 self._unseen.discard(req.request_id)
                 new_reqs.append(NewRequestData(req.request_id, list(req.prompt_token_ids),
                                                req.sampling_params, req.max_tokens, req.spec_enabled))
             rows.append(ScheduledRequest(
                 req_id=req.request_id,
-                token_ids=tuple(known) + tuple(spec),
+                token_ids=tuple(known) + tuple(drafts),
                 num_computed_tokens=start,
-                num_spec_tokens=len(spec),
+                num_spec_tokens=len(drafts),
                 block_ids=tuple(self.kv.block_ids(req)),
                 needs_sample=start + len(known) == req.num_tokens,
                 resumed=req.resumed,
@@ -178,7 +178,7 @@ class Scheduler:
             # NOTE: rejected drafts' KV is stale; moving the counter back is the whole rollback.
             num_accepted = len(emitted) - 1
             req.num_computed_tokens -= row.num_spec_tokens - num_accepted
-            req.spec.record(row.num_spec_tokens, num_accepted)
+            req.spec_stats.record(row.num_spec_tokens, num_accepted)
             self.kv.cache_full_blocks(req)
             status = append(req, emitted, ro.logprobs.get(row.req_id))
             progressed.append(req)

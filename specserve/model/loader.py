@@ -48,8 +48,8 @@ def default_model_path() -> str:
 
     NOTE: located with find_spec, never imported: the package's own code needs llama-cpp.
     """
-    spec = importlib.util.find_spec(DEMO_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    module_spec = importlib.util.find_spec(DEMO_PACKAGE)
+    locations = list(module_spec.submodule_search_locations or []) if module_spec is not None else []
     for loc in locations:
         if os.path.isfile(candidate := os.path.join(loc, DEMO_FILE)):
             return candidate

@@ -81,13 +81,13 @@ class _EngineCollector:
                     m.get("speculative_k", 0))
         for name, doc, key in _ENGINE_COUNTERS:
             yield counter(name, doc, m.get(key, 0))
-        spec = m.get("speculative") or {}
+        spec_stats = m.get("speculative") or {}
         for name, doc, key in _SPEC_COUNTERS:
-            yield counter(name, doc, spec.get(key, 0))
+            yield counter(name, doc, spec_stats.get(key, 0))
         per_pos = CounterMetricFamily("specserve:spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.",
                                       labels=["model_name", "position"])
-        for pos, n in enumerate(spec.get("accepted_per_position") or []):
+        for pos, n in enumerate(spec_stats.get("accepted_per_position") or []):
             per_pos.add_metric([self._model, str(pos)], float(n))
         yield per_pos
 

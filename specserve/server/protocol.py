@@ -332,9 +332,9 @@ def usage(outputs: list[RequestOutput]) -> Usage:
     """Prompt tokens once per prompt (not per choice); completion tokens over all choices."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    spec = SpeculativeUsage.merge([o.metrics.get("speculative") or {} for o in outputs])
+    spec_stats = SpeculativeUsage.merge([o.metrics.get("speculative") or {} for o in outputs])
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 speculative=spec)
+                 speculative=spec_stats)
 
 
 def completion_logprobs(decode: Callable[[int], str], entries: list[dict[str, Any]],

@@ -64,8 +64,8 @@ def make_router(snapshot: Callable[[], dict[str, Any]], model_name: str) -> APIR
 
 def stats_json(m: dict[str, Any], model_name: str, started: float) -> dict[str, Any]:
     """Since-start engine counters (the same numbers as /metrics) with the derived speculation rates."""
-    spec = m.get("speculative") or {}
-    drafts, proposed, accepted = (int(spec.get(k, 0)) for k in ("num_drafts", "draft_tokens", "accepted_tokens"))
+    spec_stats = m.get("speculative") or {}
+    drafts, proposed, accepted = (int(spec_stats.get(k, 0)) for k in ("num_drafts", "draft_tokens", "accepted_tokens"))
     return {
         "object": "specserve.stats",
         "model": model_name,

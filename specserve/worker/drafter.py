@@ -44,7 +44,7 @@ class Drafter:
     def __init__(self, config: EngineConfig, platform: Platform, dtype: torch.dtype, target: LlamaModel,
                  max_positions: int, build: ModelBuilder) -> None:
         self.config = config
-        self.spec = config.speculative
+        self.spec_config = config.speculative
         self.platform = platform
         self.dtype = dtype
         self.target = target
@@ -55,7 +55,7 @@ class Drafter:
         self.reads_features = isinstance(self.model, EagleHead)
         if isinstance(self.model, EagleHead):
             target.feature_layers = self.model.cfg.feature_layers  # the layers the head reads
-        self.controller = SpecController(self.spec.num_speculative_tokens, self.spec.adaptive)
+        self.controller = SpecController(self.spec_config.num_speculative_tokens, self.spec_config.adaptive)
         self.kv_caches: list[torch.Tensor] = []
         self.proposer: Proposer | None = None
         self._plan: GraphPlan | None = None
@@ -65,13 +65,13 @@ class Drafter:
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _load_draft_model(self) -> LlamaModel | EagleHead | None:
-        spec, arch = self.spec, self.target.arch
-        if spec.method == "draft":
-            ckpt = load_checkpoint(spec.model or "", keep_quantized=self.config.model.quantization != "none")
-            check_draft_vocabulary(spec.model or "", arch, ckpt.arch)
+        spec_config, arch = self.spec_config, self.target.arch
+        if spec_config.method == "draft":
+            ckpt = load_checkpoint(spec_config.model or "", keep_quantized=self.config.model.quantization != "none")
+            check_draft_vocabulary(spec_config.model or "", arch, ckpt.arch)
             return self.build(ckpt)
-        if spec.method == "eagle":
-            return load_eagle_head(spec.model or "", arch, self.target.lm_head_weight, self.dtype,
+        if spec_config.method == "eagle":
+            return load_eagle_head(spec_config.model or "", arch, self.target.lm_head_weight, self.dtype,
                                    self.platform.device, make_backend(self.platform.attention_backend),
                                    self.max_positions)
         return None
@@ -88,33 +88,33 @@ class Drafter:
         return bool(self.proposer and self.proposer.writes_kv)
 
     def _make_proposer(self, target_kv: list[torch.Tensor], block_size: int) -> Proposer:
-        spec = self.spec
-        assert spec.prompt_lookup_min is not None
-        if spec.method == "ngram":
-            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        spec_config = self.spec_config
+        assert spec_config.prompt_lookup_min is not None
+        if spec_config.method == "ngram":
+            return NgramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
         model = self._make_model_proposer(target_kv, block_size)
-        if spec.prompt_lookup_first:
-            return LookupFirstProposer(model, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec_config.prompt_lookup_first:
+            return LookupFirstProposer(model, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
         return model
 
     def _make_model_proposer(self, target_kv: list[torch.Tensor], block_size: int) -> Proposer:
-        spec, arch, device = self.spec, self.target.arch, self.platform.device
-        if spec.method == "draft":
+        spec_config, arch, device = self.spec_config, self.target.arch, self.platform.device
+        if spec_config.method == "draft":
             assert isinstance(self.model, LlamaModel)
             step = self._logits_step(self.model, self.kv_caches, block_size, None)
             return DraftModelProposer(self._timed(step), shares_target_kv=False, vocab_size=arch.vocab_size)
-        if spec.method == "eagle":
+        if spec_config.method == "eagle":
             assert isinstance(self.model, EagleHead)
             step = eagle_step(self.target, self.model, self.kv_caches[0], block_size, device)
             return EagleProposer(self._timed(step), arch.hidden_size * self.model.cfg.num_feature_layers,
                                  arch.vocab_size)
-        if spec.method == "layer_skip":
-            layers = spec.draft_layers or max(1, arch.num_layers // 4)
+        if spec_config.method == "layer_skip":
+            layers = spec_config.draft_layers or max(1, arch.num_layers // 4)
             if layers >= arch.num_layers:
                 raise SpecserveError(f"--draft-layers {layers} must be below the target's {arch.num_layers} layers")
             step = self._logits_step(self.target, target_kv[:layers], block_size, layers)
             return DraftModelProposer(self._timed(step), shares_target_kv=True, vocab_size=arch.vocab_size)
-        raise SpecserveError(f"speculative method {spec.method!r} is not available in this build")
+        raise SpecserveError(f"speculative method {spec_config.method!r} is not available in this build")
 
     def _logits_step(self, model: LlamaModel, kv: list[torch.Tensor], block_size: int, layers: int | None):
         forward = ModelStep(model, kv, block_size, self.platform.device, layers, self._plan)
@@ -198,9 +198,9 @@ class Drafter:
     def reset_controller(self, *, adaptive: bool | None = None, max_k: int | None = None) -> SpecController:
         """A fresh controller (no fitted costs, no acceptance history): adaptive or a fixed k, up to the
         configured ``--num-speculative-tokens`` (the graphs and lookahead slots are sized for it)."""
-        k = self.spec.num_speculative_tokens if max_k is None else max_k
-        if not 1 <= k <= self.spec.num_speculative_tokens:
-            raise ValueError(f"k={k} is outside 1..{self.spec.num_speculative_tokens} (--num-speculative-tokens)")
+        k = self.spec_config.num_speculative_tokens if max_k is None else max_k
+        if not 1 <= k <= self.spec_config.num_speculative_tokens:
+            raise ValueError(f"k={k} is outside 1..{self.spec_config.num_speculative_tokens} (--num-speculative-tokens)")
         old = self.controller
         self.controller = SpecController(k, old.adaptive if adaptive is None else adaptive)
         self.controller.cost_observers = old.cost_observers
