@@ -8,9 +8,9 @@ the model proposer.
 
 The model proposer catches up lazily: a request drafted by lookup is simply not passed to it, and its next
 proposal feeds every token since its last one (both model proposers already catch up from their own valid
-prefix). EAGLE also needs the target's features for those positions: the worker keeps a request's features
-in its buffer while its drafts come from lookup (``source`` is asked first) and hands them all over with the
-next model proposal.
+prefix). EAGLE also needs the target's features for those positions: the drafter (worker/drafter.py) keeps
+a request's features buffered while its drafts come from lookup (``source`` is asked first) and hands them
+all over with the next model proposal.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Proposer protocol: guess up to k next tokens per request, cheaply.
 
-Chosen once at start-up (``make_proposer`` in the worker); the hot path never branches on the method.
+Chosen once at start-up (``Drafter._make_proposer``, worker/drafter.py); the hot path never branches on the method.
 A proposer returns, per request, draft token ids and -- when it sampled them from a distribution -- that
 distribution q (``[k, vocab]``), which exact rejection sampling needs. ``probs=None`` means q is one-hot
 (prompt lookup, greedy drafting).
