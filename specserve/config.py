@@ -166,6 +166,11 @@ class SpeculativeConfig:
     prompt_lookup_first: bool = field(default=False, metadata=flag(
         "with a draft model, EAGLE head or layer_skip: draft by prompt lookup whenever the context repeats its "
         "last --prompt-lookup-min tokens, by the model otherwise"))
+    # Structured outputs (worker/drafter.py): a draft is cut at the first token the request's grammar forbids,
+    # and tokens the grammar forces are drafted free, ahead of any model draft.
+    grammar_drafts: bool = field(default=True, metadata=flag(
+        "grammar-aware drafting for structured outputs (default on)", positive=False,
+        negative="--no-grammar-drafts"))
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_min is None:
@@ -201,6 +206,7 @@ class SpeculativeConfig:
         prompt_lookup_max: int | None = None,
         speculative_adaptive: bool = True,
         prompt_lookup_first: bool | None = None,
+        grammar_drafts: bool | None = None,
     ) -> SpeculativeConfig:
         """Merge vLLM V0-style flags and a V1-style ``--speculative-config`` JSON into one config."""
         cfg: dict[str, Any] = {}
@@ -243,6 +249,7 @@ class SpeculativeConfig:
             adaptive=bool(cfg.get("adaptive", speculative_adaptive)),
             prompt_lookup_first=bool(prompt_lookup_first if prompt_lookup_first is not None
                                      else cfg.get("prompt_lookup_first", False)),
+            grammar_drafts=bool(grammar_drafts if grammar_drafts is not None else cfg.get("grammar_drafts", True)),
         )
 
 

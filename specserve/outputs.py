@@ -17,6 +17,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     max_tokens: int
     spec_enabled: bool
+    min_tokens_stop_ids: tuple[int, ...] = ()  # masked until min_tokens outputs exist (sample/sampler.py)
+    grammar: Any = None  # a compiled grammar (structured outputs; sample/grammar.py)
 
 
 @dataclass(frozen=True, slots=True)

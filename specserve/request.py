@@ -109,6 +109,16 @@ class Request:
     stop_reason: int | str | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
     group_id: str | None = None  # n > 1: siblings share the prompt (scheduled after the first prefill)
+    grammar: Any = None  # the compiled grammar of params.structured_outputs
+
+    @property
+    def min_tokens_stop_ids(self) -> tuple[int, ...]:
+        """The tokens ``min_tokens`` keeps from being sampled: EOS (unless ignore_eos) and stop_token_ids."""
+        params = self.sampling_params
+        if not params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        return tuple(sorted(set(eos) | set(params.stop_token_ids)))
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -7,8 +7,10 @@ server can return it verbatim as a 400.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 # Temperatures below this are treated as greedy (as in vLLM): dividing logits by ~0 would overflow to inf.
 GREEDY_EPS = 1e-5
@@ -16,6 +18,55 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
+MAX_LOGIT_BIAS = 300  # entries (OpenAI takes up to 300 tokens)
+MAX_GRAMMAR_CHARS = 200_000  # a schema, regex, EBNF or choice list larger than this is refused up front
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's ``structured_outputs`` names); exactly one field is set.
+
+    ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON object; ``regex``; ``choice``: one of
+    these strings; ``grammar``: EBNF (GBNF / xgrammar syntax). Compiled by ``sample/grammar.py``."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a list of strings")
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must not be empty")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{k} must be a non-empty string")
+        if len(self.key()) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs.{self.kind} is larger than {MAX_GRAMMAR_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        return "json_object" if self.json_object else next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+    def key(self) -> str:
+        """A canonical text of the constraint (the compile cache's key)."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return f"{self.kind}:{json.dumps(value) if self.kind == 'choice' else value}"
 
 
 @dataclass
@@ -45,12 +96,17 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop: object = self.stop
         self.stop = [] if stop is None else [stop] if isinstance(stop, str) else list(self.stop)
         ids: object = self.stop_token_ids
         self.stop_token_ids = [] if ids is None else list(self.stop_token_ids)
+        bias: object = self.logit_bias
+        self.logit_bias = {} if bias is None else dict(self.logit_bias)
         self._validate()
 
     # ------------------------------------------------------------------ validation
@@ -82,6 +138,19 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
         self._validate_lengths()
         self._validate_stops()
+        self._validate_logit_bias()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
+
+    def _validate_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {t!r}")
+            _check_float(f"logit_bias[{t}]", b)
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {t}")
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None:
@@ -136,7 +205,8 @@ class SamplingParams:
 
     def with_seed(self, seed: int | None) -> SamplingParams:
         """A copy with another seed (validated like any other)."""
-        return replace(self, seed=seed, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
+        return replace(self, seed=seed, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                       logit_bias=dict(self.logit_bias))
 
     def for_child(self, index: int) -> SamplingParams:
         """Parameters for child ``index`` of an ``n > 1`` request: n=1 and, if seeded, seed + index

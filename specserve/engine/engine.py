@@ -16,6 +16,7 @@ from specserve.model.loader import load_checkpoint
 from specserve.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from specserve.platform import Platform, configure_threads, detect
 from specserve.request import Request, RequestStatus, SpecStats
+from specserve.sample.grammar import GrammarCompiler
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from specserve.worker.model_runner import ModelRunner
@@ -67,6 +68,8 @@ class Engine:
         lookahead = config.speculative.num_speculative_tokens if self.runner.drafts_write_kv else 0
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, lookahead)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(target.arch.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, target.arch.vocab_size,
+                                        sorted(self.eos_token_ids))
         self.model_name = target.name
         self.groups: dict[str, _Group] = {}
         self._child_group: dict[str, tuple[_Group, int]] = {}
@@ -75,8 +78,10 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | None, params: SamplingParams,
-                    prompt_token_ids: list[int] | None = None, speculative: bool = True) -> str:
-        """Validate and queue. Raises ValueError (a 400 for the server) for bad input."""
+                    prompt_token_ids: list[int] | None = None, speculative: bool = True,
+                    grammar: Any = None) -> str:
+        """Validate and queue. Raises ValueError (a 400 for the server) for bad input. ``grammar``: the
+        compiled ``params.structured_outputs`` when the caller compiled it already (``compile_grammar``)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -92,6 +97,11 @@ class Engine:
         if any(type(t) is not int or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         max_tokens = params.check_context(len(prompt_token_ids), self.max_model_len)
+        bad_bias = [t for t in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}, got {bad_bias[0]}")
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.compile_grammar(params)
         if self.kv.blocks_needed(len(prompt_token_ids) + max_tokens) > self.kv.pool.num_blocks:
             raise ValueError(f"prompt + max_tokens ({len(prompt_token_ids) + max_tokens} tokens) can never fit "
                              f"in the KV cache ({self.kv.pool.num_blocks * self.kv.block_size} tokens)")
@@ -101,7 +111,8 @@ class Engine:
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, list(prompt_token_ids), child_params, max_tokens, self.eos_token_ids,
-                          text, spec_enabled=speculative, group_id=request_id if params.n > 1 else None)
+                          text, spec_enabled=speculative, group_id=request_id if params.n > 1 else None,
+                          grammar=grammar)
             group.children.append(req)
             group.completions.append(CompletionOutput(i, "", []))
             group.detoks.append(self.tokenizer.incremental(prompt_token_ids, params.skip_special_tokens))
@@ -111,6 +122,12 @@ class Engine:
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(prompt_token_ids)
         return request_id
+
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of ``params.structured_outputs`` (cached per constraint; thread-safe, so the
+        server compiles off the engine loop). Raises ValueError naming what is wrong."""
+        assert params.structured_outputs is not None
+        return self.grammars.compile(params.structured_outputs)
 
     def abort(self, request_id: str) -> None:
         """Drop a request now; its KV blocks are free when this returns."""
@@ -201,4 +218,7 @@ class Engine:
             "prefix_cache_hits": kv.prefix_stats.hits,
             "speculative": self.spec_stats().as_dict(),
             "speculative_k": self.runner.drafter.controller.last_k if self.runner.drafter else 0,
+            # per draft source ("model", "lookup", "grammar"; "" for a one-source proposer)
+            "speculative_sources": {source: stats.as_dict() for source, stats in
+                                    (self.runner.drafter.source_stats if self.runner.drafter else {}).items()},
         }

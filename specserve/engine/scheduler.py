@@ -144,7 +144,8 @@ class Scheduler:
             if req.request_id in self._unseen:
                 self._unseen.discard(req.request_id)
                 new_reqs.append(NewRequestData(req.request_id, list(req.prompt_token_ids),
-                                               req.sampling_params, req.max_tokens, req.spec_enabled))
+                                               req.sampling_params, req.max_tokens, req.spec_enabled,
+                                               req.min_tokens_stop_ids, req.grammar))
             rows.append(ScheduledRequest(
                 req_id=req.request_id,
                 token_ids=tuple(known) + tuple(drafts),

@@ -1,4 +1,5 @@
-"""Batched logits processing: penalties, temperature, top-k, top-p, min-p; logprobs.
+"""Batched logits processing: logit bias, min_tokens, grammar masks, penalties, temperature, top-k, top-p,
+min-p; logprobs.
 
 The same processing produces the target's p and the draft's q for exact speculative decoding
 (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318): both must be the
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from specserve.platform import to_device
+from specserve.sample.grammar import GrammarState, apply_grammar, bitmask_words
 from specserve.sampling_params import SamplingParams
 
 
@@ -31,17 +33,22 @@ class RequestSamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None  # own generator for seeded requests, else None (default generator)
+    # Tokens that may not be sampled before ``params.min_tokens`` outputs exist (EOS unless ignore_eos, and
+    # stop_token_ids), so that a request never ends early.
+    min_tokens_stop_ids: tuple[int, ...] = ()
+    grammar: GrammarState | None = None  # structured outputs: the request's matcher
 
     @classmethod
-    def create(cls, params: SamplingParams, prompt_token_ids: list[int],
-               device: torch.device | str = "cpu") -> RequestSamplingState:
+    def create(cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device | str = "cpu",
+               min_tokens_stop_ids: tuple[int, ...] = (), grammar: GrammarState | None = None
+               ) -> RequestSamplingState:
         """A fresh state; seeded requests get ``torch.Generator(device).manual_seed(seed)``. Put the generator
         on the logits' device to avoid host<->device copies of the random draws."""
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=device)
             gen.manual_seed(params.seed)
-        return cls(params, list(prompt_token_ids), [], gen)
+        return cls(params, list(prompt_token_ids), [], gen, min_tokens_stop_ids, grammar)
 
 
 def row_starts(row_counts: list[int]) -> list[int]:
@@ -53,6 +60,8 @@ def process_logits(logits: torch.Tensor, states: list[RequestSamplingState], row
                    drafts: list[list[int]]) -> torch.Tensor:
     """Processed float32 logits [N, V] (vLLM's order).
 
+    0. logit_bias; min_tokens (EOS and stop token ids at -inf while fewer than min_tokens outputs exist,
+       counting drafts[:j] at row j); the grammar mask (row j: the grammar state after drafts[:j]);
     1. repetition penalty over prompt + output (+ drafts[:j] at row j): logit > 0 → logit / rp, else logit * rp;
     2. frequency / presence penalties over output (+ drafts[:j]): logit -= freq * count + presence * (count > 0);
     3. non-greedy rows only: temperature, top-k, top-p, min-p (masked entries become -inf).
@@ -63,6 +72,8 @@ def process_logits(logits: torch.Tensor, states: list[RequestSamplingState], row
         raise ValueError(f"inconsistent batch: {n_rows} logit rows, row_counts={row_counts}, "
                          f"{len(states)} states, {len(drafts)} drafts")
     out = logits.to(torch.float32, copy=True)  # [N, V]
+    if any(s.params.logit_bias or s.params.min_tokens or s.grammar is not None for s in states):
+        _apply_constraints(out, states, row_counts, drafts)
     if any(s.params.uses_penalties for s in states):
         _apply_penalties(out, states, row_counts, drafts)
 
@@ -153,6 +164,61 @@ def _on_rows(out: torch.Tensor, rows: list[int], fn) -> None:  # type: ignore[no
         return
     idx = to_device(rows, out.device, torch.long)
     out.index_copy_(0, idx, fn(out.index_select(0, idx)))
+
+
+def _apply_constraints(out: torch.Tensor, states: list[RequestSamplingState], row_counts: list[int],
+                               drafts: list[list[int]]) -> None:
+    """logit_bias added per row, then the grammar masks, then the min_tokens stop ids set to -inf on the rows
+    before the min_tokens-th output. A row that min_tokens would leave empty (the grammar allows nothing but
+    EOS) keeps its stop ids: the grammar outranks min_tokens there."""
+    rows: list[int] = []
+    toks: list[int] = []
+    vals: list[float] = []
+    mask_rows: list[int] = []
+    mask_toks: list[int] = []
+    vocab = out.shape[1]
+    for s, first, count in zip(states, row_starts(row_counts), row_counts, strict=True):
+        bias = [(t, b) for t, b in s.params.logit_bias.items() if t < vocab]
+        early = max(0, min(count, s.params.min_tokens - len(s.output_token_ids)))  # rows j: len + j < min
+        stops = [t for t in s.min_tokens_stop_ids if t < vocab]
+        for j in range(count):
+            for t, b in bias:
+                rows.append(first + j)
+                toks.append(t)
+                vals.append(b)
+            if j < early:
+                mask_rows.extend([first + j] * len(stops))
+                mask_toks.extend(stops)
+    dev = out.device
+    if rows:
+        out.index_put_((to_device(rows, dev, torch.long), to_device(toks, dev, torch.long)),
+                       to_device(vals, dev, torch.float32), accumulate=True)
+    if any(s.grammar is not None for s in states):
+        _apply_grammars(out, states, row_counts, drafts)
+    if not mask_rows:
+        return
+    m_rows, m_toks = to_device(mask_rows, dev, torch.long), to_device(mask_toks, dev, torch.long)
+    saved = out[m_rows, m_toks]
+    out[m_rows, m_toks] = float("-inf")
+    if any(s.grammar is not None for s in states):
+        empty = torch.isneginf(out[m_rows]).all(dim=-1)  # per masked entry: its row has nothing left
+        out[m_rows[empty], m_toks[empty]] = saved[empty]
+
+
+def _apply_grammars(out: torch.Tensor, states: list[RequestSamplingState], row_counts: list[int],
+                    drafts: list[list[int]]) -> None:
+    """Each grammar request's rows masked by its matcher (row j: after drafts[:j])."""
+    starts = row_starts(row_counts)
+    reqs = [i for i, s in enumerate(states) if s.grammar is not None]
+    rows = [starts[i] + j for i in reqs for j in range(row_counts[i])]
+    bitmask = torch.full((len(rows), bitmask_words(out.shape[1])), -1, dtype=torch.int32)
+    first = 0
+    for i in reqs:
+        grammar = states[i].grammar
+        assert grammar is not None
+        grammar.fill_rows(bitmask, first, drafts[i][:row_counts[i] - 1])
+        first += row_counts[i]
+    apply_grammar(out, rows, bitmask)
 
 
 def _apply_penalties(out: torch.Tensor, states: list[RequestSamplingState], row_counts: list[int],

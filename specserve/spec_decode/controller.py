@@ -97,7 +97,9 @@ class _Acceptance:
             self.tried[j] = decay * self.tried[j] + 1.0
 
 
-FREE_SOURCE = "lookup"  # drafts of this source cost no draft-model step (prompt lookup inside a hybrid)
+LOOKUP_SOURCE = "lookup"  # prompt lookup inside a hybrid (--prompt-lookup-first)
+GRAMMAR_SOURCE = "grammar"  # tokens a structured output's grammar forces (worker/drafter.py)
+FREE_SOURCES = frozenset({LOOKUP_SOURCE, GRAMMAR_SOURCE})  # drafts that cost no draft-model step
 
 
 class SpecController:
@@ -105,7 +107,7 @@ class SpecController:
 
     A request can draft from several *sources* (``--prompt-lookup-first``: prompt lookup or the model
     proposer, decided per step before k is chosen). Acceptance is tracked per (request, source), with one
-    global prior per source, and drafts of ``FREE_SOURCE`` add verification tokens but no draft steps.
+    global prior per source, and drafts of ``FREE_SOURCES`` add verification tokens but no draft steps.
     """
 
     def __init__(self, max_k: int, adaptive: bool = True, prior_alpha: float = 0.6,
@@ -197,7 +199,7 @@ class SpecController:
         srcs = sources if sources is not None else [""] * len(req_ids)
         self._step += 1
         if self.target_cost.distinct() < 2 or (self.draft_cost.distinct() == 0 and self.max_k
-                                               and any(s != FREE_SOURCE for s in srcs)):
+                                               and any(s not in FREE_SOURCES for s in srcs)):
             # The cost slope (or the draft's cost) is unknown: measure the other extreme.
             ks = [0 if self.last_k else self.max_k] * len(req_ids)
         else:
@@ -220,7 +222,7 @@ class SpecController:
         b = len(req_ids)
         pairs = sorted(((m, i) for i, (r, s) in enumerate(zip(req_ids, sources)) for m in self.gains(r, s)),
                        key=lambda x: -x[0])
-        free = [s == FREE_SOURCE for s in sources]
+        free = [s in FREE_SOURCES for s in sources]
         ks = [0] * b
         best_n, best_rate = 0, self._rate(b, other, 0, float(b), 0, 0) * (1.0 + self.min_gain)
         tokens, k_max, drafting = float(b), 0, 0

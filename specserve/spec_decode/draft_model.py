@@ -11,10 +11,11 @@ prefix is simply the target's ``num_computed``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
-from specserve.sample.sampler import RequestSamplingState, process_logits
+from specserve.sample.sampler import process_logits
 from specserve.spec_decode.proposer import Draft, ProposeRequest
 
 # (tokens to feed per request, start position per request, block ids per request) -> [B, vocab] logits at
@@ -109,8 +110,10 @@ class DraftSampler:
     def sample(self, logits: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]
                ) -> tuple[list[int], torch.Tensor | None]:
         logits = logits[:, :self.vocab_size]
-        states = [RequestSamplingState(r.state.params, r.state.prompt_token_ids,
-                                       r.state.output_token_ids + d, None) for r, d in zip(reqs, drafts, strict=True)]
+        # The draft's q: the request's processing (bias, min_tokens, penalties over output + drafts so far) but
+        # no grammar (the drafter cuts drafts the grammar forbids; q may be anything, exactness holds).
+        states = [replace(r.state, output_token_ids=r.state.output_token_ids + d, generator=None, grammar=None)
+                  for r, d in zip(reqs, drafts, strict=True)]
         processed = process_logits(logits, states, [1] * len(reqs), [[] for _ in reqs])  # [B, V]
         if all(r.state.params.greedy for r in reqs):
             return processed.argmax(dim=-1).tolist(), None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.spec_decode.controller import FREE_SOURCE
+from specserve.spec_decode.controller import LOOKUP_SOURCE
 from specserve.spec_decode.ngram import lookup
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
 
@@ -36,7 +36,7 @@ class LookupFirstProposer:
         self.model.drop(req_id)
 
     def source(self, req_id: str, token_ids: list[int], max_k: int) -> str:
-        return FREE_SOURCE if self._lookup(req_id, token_ids, max_k) else "model"
+        return LOOKUP_SOURCE if self._lookup(req_id, token_ids, max_k) else "model"
 
     def _lookup(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
         """The lookup drafts (up to k) for this history, remembered from ``source`` for ``propose``."""

@@ -23,7 +23,8 @@ from specserve.model.eagle_head import EagleHead, load_eagle_head
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import load_checkpoint
 from specserve.platform import Platform
-from specserve.spec_decode.controller import FREE_SOURCE, SpecController
+from specserve.request import SpecStats
+from specserve.spec_decode.controller import FREE_SOURCES, GRAMMAR_SOURCE, SpecController
 from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.spec_decode.eagle import EagleProposer
 from specserve.spec_decode.lookup_first import LookupFirstProposer
@@ -61,6 +62,8 @@ class Drafter:
         self._plan: GraphPlan | None = None
         self._features: dict[str, FeatureBuffer] = {}
         self._sources: dict[str, str] = {}  # req_id -> the source of its drafts in flight
+        # Verification counters per draft source ("" for a one-source proposer, "model", "lookup", "grammar").
+        self.source_stats: dict[str, SpecStats] = {}
         self._calls: list[tuple[int, int, float]] = []  # (rows, tokens, seconds) of one proposal's model steps
 
     # -- start-up -------------------------------------------------------------------------------------------
@@ -156,36 +159,55 @@ class Drafter:
         self.controller.record_target(num_tokens, seconds)
 
     def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int) -> None:
-        self.controller.record_acceptance(req_id, num_draft, num_accepted, self._sources.pop(req_id, ""))
+        source = self._sources.pop(req_id, "")
+        self.controller.record_acceptance(req_id, num_draft, num_accepted, source)
+        if num_draft:
+            self.source_stats.setdefault(source, SpecStats()).record(num_draft, num_accepted)
 
     def propose(self, cands: list[ProposeRequest]) -> dict[str, Draft]:
         """Drafts for the next step. ``cands``: the speculating requests after this step, each with ``k`` the
-        most drafts it has room for; the controller picks each one's k within that (0: no drafts)."""
+        most drafts it has room for; the controller picks each one's k within that (0: no drafts).
+
+        Structured outputs (``--no-grammar-drafts`` turns this off): where the request's grammar forces the
+        next tokens, those are its drafts (free, source "grammar"); a proposer's draft is cut at the first
+        token the grammar forbids, before the target spends a verification slot on it."""
         assert self.proposer is not None, "Drafter.start was not called"
         proposer, controller = self.proposer, self.controller
-        sources = [proposer.source(c.req_id, c.token_ids, controller.max_k) for c in cands]
+        use_grammar = self.spec_config.grammar_drafts
+        forced = [c.state.grammar.forced_tokens(min(controller.max_k, c.k))
+                  if use_grammar and c.state.grammar is not None else [] for c in cands]
+        sources = [GRAMMAR_SOURCE if f else proposer.source(c.req_id, c.token_ids, controller.max_k)
+                   for c, f in zip(cands, forced)]
         ks = controller.choose_ks([c.req_id for c in cands], sources=sources)
+        out: dict[str, Draft] = {}
         reqs, req_sources = [], []
-        for c, k, source in zip(cands, ks, sources):
+        for c, k, source, f in zip(cands, ks, sources, forced):
             c.k = min(k, c.k)
-            if c.k >= 1:
-                buf = self._features.get(c.req_id)
-                # NOTE: lookup drafts read no features; they stay buffered for the model's next proposal.
-                c.features = buf.take() if buf is not None and source != FREE_SOURCE else None
-                reqs.append(c)
-                req_sources.append(source)
+            if c.k < 1:
+                continue
+            if f:
+                out[c.req_id] = Draft(f[:c.k])
+                self._sources[c.req_id] = source
+                continue
+            buf = self._features.get(c.req_id)
+            # NOTE: lookup drafts read no features; they stay buffered for the model's next proposal.
+            c.features = buf.take() if buf is not None and source not in FREE_SOURCES else None
+            reqs.append(c)
+            req_sources.append(source)
         if not reqs:
-            return {}
+            return out
         t0, captures = time.perf_counter(), self.num_captures()
         self._calls = []
         drafts = proposer.propose(reqs)
-        stepped = [r.k for r, s in zip(reqs, req_sources) if s != FREE_SOURCE]  # drafts that cost model steps
+        stepped = [r.k for r, s in zip(reqs, req_sources) if s not in FREE_SOURCES]  # drafts costing model steps
         step_cost = draft_step_cost(self._calls, time.perf_counter() - t0, max(stepped, default=1))
         self._calls = []
         if stepped and self.num_captures() == captures:  # a step that captured a graph is no cost sample
             controller.record_draft(len(stepped), step_cost)
-        out = {}
         for r, d, source in zip(reqs, drafts, req_sources):
+            if use_grammar and r.state.grammar is not None and d.token_ids:
+                n = r.state.grammar.valid_prefix(d.token_ids)
+                d = Draft(d.token_ids[:n], d.probs[:n] if d.probs is not None and n else None)
             if d.token_ids:
                 out[r.req_id] = d
                 self._sources[r.req_id] = source

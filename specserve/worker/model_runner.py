@@ -24,6 +24,7 @@ from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import Platform, resolve_dtype, to_device
+from specserve.sample.grammar import GrammarState
 from specserve.sample.rejection_sampler import verify
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
 from specserve.spec_decode.proposer import ProposeRequest
@@ -199,6 +200,8 @@ class ModelRunner:
         if drafter is not None and drafter.num_captures() == captures:  # a capture step is no cost sample
             drafter.record_target(so.total_tokens, time.perf_counter() - t0)
         for r, c, em in zip(sample_rows, cached, emitted):
+            if c.state.grammar is not None:
+                c.state.grammar.accept(em)
             c.state.output_token_ids.extend(em)
             c.token_ids.extend(em)
             c.draft_probs = None
@@ -221,7 +224,9 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.drop(rid)
         for nr in so.new_requests:
-            state = RequestSamplingState.create(nr.sampling_params, nr.prompt_token_ids, self.device)
+            state = RequestSamplingState.create(nr.sampling_params, nr.prompt_token_ids, self.device,
+                                                nr.min_tokens_stop_ids,
+                                                GrammarState(nr.grammar) if nr.grammar is not None else None)
             self.requests[nr.req_id] = CachedRequest(state, list(nr.prompt_token_ids), nr.max_tokens,
                                                      nr.spec_enabled)
         for r in so.rows:

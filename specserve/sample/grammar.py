@@ -1,0 +1,188 @@
+"""Structured outputs: grammars compiled by xgrammar, one matcher per request, a token mask per logits row.
+
+- ``GrammarCompiler`` (one per engine) turns a ``StructuredOutputsParams`` (JSON schema, any JSON object,
+  regex, choice list, EBNF) into a compiled grammar; compiled grammars are cached per constraint, so a
+  repeated schema costs a dictionary lookup. A bad constraint is a ``ValueError`` carrying the compiler's
+  message (a 400 for the server). Compiling happens off the engine loop in the server (``AsyncEngine``).
+- ``GrammarState`` (one per request, in the worker) holds the matcher. The rows of a verification step are
+  masked as speculation requires: row j by the grammar state after drafts 0..j-1 (accepted tentatively,
+  then rolled back); after verification the matcher advances on the emitted tokens only.
+- ``apply_grammar`` masks logits rows in place from packed 32-bit bitmasks (pure torch: every device).
+
+The mask is a logits-processing step (``sample/sampler.py``), so it composes with penalties, temperature,
+top-k/p and min-p, and speculation stays exact: drafts are verified against the masked distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from specserve.platform import to_device
+from specserve.sampling_params import StructuredOutputsParams
+
+# Drafts per step are at most this many; the matcher keeps this much history to roll back.
+MAX_ROLLBACK_TOKENS = 64
+
+
+def _xgr():  # type: ignore[no-untyped-def]
+    try:
+        import xgrammar
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise ValueError("structured outputs need the xgrammar package (pip install xgrammar)") from e
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary size; thread-safe; caches per constraint."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256,
+                 max_threads: int = 2) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._max_threads = max_threads
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache_size = cache_size
+
+    def _get_compiler(self) -> Any:
+        """Built on first use (reading the vocabulary takes a fraction of a second)."""
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgr()
+                info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        key = params.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compile(params)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        compiler = self._get_compiler()
+        kind = params.kind
+        try:
+            if kind == "json_object":  # OpenAI's JSON mode: an object (xgrammar's builtin allows any value)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if kind == "json":
+                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+                try:
+                    parsed = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+                if not isinstance(parsed, dict):
+                    raise ValueError("the JSON schema must be a JSON object")
+                return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                assert params.choice is not None
+                alternatives = " | ".join(json.dumps(c) for c in params.choice)
+                return compiler.compile_grammar(f"root ::= {alternatives}")
+            return compiler.compile_grammar(params.grammar)
+        except ValueError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError with "[time] file:line: message"
+            raise ValueError(f"invalid {_NAMES[kind]}: {_compiler_message(e)}") from None
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",
+          "grammar": "EBNF grammar"}
+
+
+def _compiler_message(e: Exception) -> str:
+    text = str(e).strip()
+    # "[15:12:23] /project/cpp/regex_converter.cc:94: Regex parsing error ..." -> the part after the location
+    if text.startswith("[") and ".cc:" in text:
+        text = text.split(": ", 1)[-1] if ": " in text else text
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class GrammarState:
+    """One request's matcher. ``fill_rows`` masks its verification rows; ``accept`` advances on emitted
+    tokens; ``valid_prefix`` is how many of a draft's tokens the grammar allows."""
+
+    def __init__(self, compiled: Any) -> None:
+        xgr = _xgr()
+        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def fill_rows(self, bitmask: torch.Tensor, first: int, drafts: list[int]) -> None:
+        """Rows first .. first + len(drafts) of ``bitmask``: row j allows what the grammar allows after
+        drafts[:j]. Rows after a draft the grammar rejects keep the last mask (that draft has probability 0 at
+        its row, so verification never reaches them)."""
+        m = self.matcher
+        self._fill(bitmask, first)
+        accepted = 0
+        for j, tok in enumerate(drafts):
+            if not m.is_terminated() and m.accept_token(tok):
+                accepted += 1
+                self._fill(bitmask, first + j + 1)
+            else:
+                bitmask[first + j + 1:first + len(drafts) + 1] = bitmask[first + j]
+                break
+        if accepted:
+            m.rollback(accepted)
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.matcher.is_terminated():
+            bitmask[row] = -1  # finished: the stop check ends the request; nothing left to constrain
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(tok):
+                break  # only the stop token after completion, or ignore_eos: the mask no longer applies
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from the current state (the matcher is unchanged)."""
+        m, n = self.matcher, 0
+        for tok in tokens:
+            if m.is_terminated() or not m.accept_token(tok):
+                break
+            n += 1
+        if n:
+            m.rollback(n)
+        return n
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Tokens the grammar forces next (xgrammar's jump-forward tokens, at most ``limit``): free drafts."""
+        if limit <= 0 or self.matcher.is_terminated():
+            return []
+        return list(self.matcher.find_jump_forward_tokens())[:limit]
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def apply_grammar(out: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """``out[rows[i], t] = -inf`` where bit t of ``bitmask[i]`` is 0 (tokens past the bitmask stay allowed
+    only if the bitmask covers the whole row: it is sized to the logits' width)."""
+    vocab = out.shape[1]
+    bits = torch.arange(32, device=out.device, dtype=torch.int32)
+    words = bitmask.to(out.device)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().view(len(rows), -1)[:, :vocab]  # [R, V]
+    idx = to_device(rows, out.device, torch.long)
+    out.index_copy_(0, idx, out.index_select(0, idx).masked_fill(~allowed, float("-inf")))

@@ -1,0 +1,307 @@
+"""Structured outputs, logit_bias and min_tokens as logits processing: the masks themselves, exactness under
+speculation (greedy equality with every proposer and grammar-aware drafting on and off; a chi-square test of
+a grammar-constrained position), and bad constraints as clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from specserve import SamplingParams
+from specserve.llm import LLM
+from specserve.sample.grammar import GrammarCompiler, GrammarState, bitmask_words
+from specserve.sample.rejection_sampler import verify
+from specserve.sample.sampler import RequestSamplingState, probs_from_logits, process_logits
+from specserve.sampling_params import StructuredOutputsParams as SO
+from tests.helpers import byte_tokenizer, save_tiny_checkpoint
+
+V = 260  # the byte tokenizer: ids 0..255 are bytes, 256 <s>, 257 </s>, 258 <pad>
+EOS = 257
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(byte_tokenizer(V), V, [EOS])
+
+
+def state(params: SamplingParams, output: list[int] | None = None, grammar: GrammarState | None = None,
+          stop_ids: tuple[int, ...] = ()) -> RequestSamplingState:
+    return RequestSamplingState(params, [1, 2, 3], list(output or []), None, stop_ids, grammar)
+
+
+def allowed(row: torch.Tensor) -> list[int]:
+    return torch.isfinite(row).nonzero().flatten().tolist()
+
+
+# -- the masks ------------------------------------------------------------------------------------------------
+def test_min_tokens_masks_stop_ids_on_early_rows_only():
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7])
+    s = state(params, output=[65], stop_ids=(7, EOS))
+    logits = torch.zeros(3, V)
+    out = process_logits(logits, [s], [3], [[66, 67]])  # rows see 1, 2, 3 outputs before them
+    for row in (0, 1):
+        assert out[row, EOS] == -torch.inf and out[row, 7] == -torch.inf
+    assert torch.isfinite(out[2]).all()  # the third output exists: nothing masked
+    assert torch.isfinite(out[:, :7]).all() and torch.isfinite(out[:2, 8:EOS]).all()
+
+
+def test_logit_bias_is_added_per_row():
+    params = SamplingParams(temperature=0, logit_bias={5: 100.0, 9: -50.0})
+    logits = torch.randn(2, V)
+    out = process_logits(logits, [state(params)], [2], [[3]])
+    assert torch.allclose(out[:, 5], logits[:, 5] + 100) and torch.allclose(out[:, 9], logits[:, 9] - 50)
+    assert out.argmax(dim=-1).tolist() == [5, 5]
+
+
+def test_grammar_rows_follow_the_drafts_and_the_matcher_rolls_back(compiler):
+    g = GrammarState(compiler.compile(SO(regex="[a-f][0-9]x")))
+    s = state(SamplingParams(temperature=0), grammar=g)
+    drafts = [ord("c"), ord("5"), ord("x")]
+    out = process_logits(torch.zeros(4, V), [s], [4], [drafts])
+    assert allowed(out[0]) == list(range(ord("a"), ord("f") + 1))
+    assert allowed(out[1]) == list(range(ord("0"), ord("9") + 1))
+    assert allowed(out[2]) == [ord("x")]
+    assert allowed(out[3]) == [EOS]  # complete: only the stop token
+    # rolled back: the next step starts from the same state
+    again = process_logits(torch.zeros(1, V), [s], [1], [[]])
+    assert allowed(again[0]) == allowed(out[0])
+    # a forbidden draft: its row masks it out, the rows after it are never reached
+    bad = process_logits(torch.zeros(3, V), [s], [3], [[ord("z"), ord("1")]])
+    assert not torch.isfinite(bad[0, ord("z")])
+    g.accept([ord("c")])
+    assert g.valid_prefix([ord("5"), ord("x"), ord("y")]) == 2 and g.valid_prefix([ord("q")]) == 0
+    assert g.forced_tokens(4) == []
+    g.accept([ord("5")])
+    assert g.forced_tokens(4) == [ord("x")]
+
+
+def test_grammar_outranks_min_tokens_where_only_eos_is_left(compiler):
+    g = GrammarState(compiler.compile(SO(choice=("ab",))))
+    g.accept([ord("a"), ord("b")])
+    s = state(SamplingParams(temperature=0, min_tokens=10), output=[97, 98], grammar=g, stop_ids=(EOS,))
+    out = process_logits(torch.zeros(1, V), [s], [1], [[]])
+    assert allowed(out[0]) == [EOS]
+
+
+def test_mixed_batch_rows_with_and_without_grammars(compiler):
+    g = GrammarState(compiler.compile(SO(choice=("yes", "no"))))
+    free = state(SamplingParams(temperature=0))
+    constrained = state(SamplingParams(temperature=0), grammar=g)
+    logits = torch.randn(5, V)
+    out = process_logits(logits, [free, constrained, free], [2, 1, 2], [[4], [], [6]])
+    assert torch.equal(out[[0, 1, 3, 4]], logits[[0, 1, 3, 4]])
+    assert allowed(out[2]) == [ord("n"), ord("y")]
+
+
+def test_bitmask_sized_to_the_logits():
+    assert bitmask_words(260) == 9 and bitmask_words(49152) == 1536
+
+
+# -- exactness: a chi-square test of a grammar-constrained position ---------------------------------------------
+def test_chi2_grammar_position_with_and_without_speculation(compiler):
+    """Position 0 and 1 under the regex [a-f][0-9]: drafts from an unconstrained q (often forbidden), verified
+    against the masked target, emit exactly the masked target's distribution; k = 0 does too."""
+    from tests.test_rejection import BATCH, N_CALLS, chi2_pvalue, position
+
+    gen = torch.Generator().manual_seed(5)
+    raw = torch.randn(3, V, generator=gen) * 2.0
+    letters, digits = list(range(ord("a"), ord("f") + 1)), list(range(ord("0"), ord("9") + 1))
+    ref = torch.zeros(2, V)  # independent reference: softmax over the allowed tokens only
+    ref[0, letters] = torch.softmax(raw[0, letters] / 0.8, dim=-1)
+    ref[1, digits] = torch.softmax(raw[1, digits] / 0.8, dim=-1)
+    q = torch.softmax(torch.randn(2, V, generator=gen), dim=-1)
+    q[0, letters] += 0.2  # some drafts allowed, most forbidden
+    q = q / q.sum(-1, keepdim=True)
+    g = GrammarState(compiler.compile(SO(regex="[a-f][0-9]")))
+    s = state(SamplingParams(temperature=0.8), grammar=g)
+    torch.manual_seed(6)
+    spec_outs: list[list[int]] = []
+    plain: list[torch.Tensor] = []
+    for _ in range(N_CALLS):
+        drafts = torch.multinomial(q, BATCH, replacement=True, generator=gen).T.tolist()  # [B, 2]
+        # The grammar's state is the same for every request: rows processed once per distinct draft prefix
+        # would be the same, so one state serves the batch (fill_rows rolls back after each).
+        processed = process_logits(raw.repeat(BATCH, 1), [s] * BATCH, [3] * BATCH, drafts)
+        spec_outs += verify(processed, [s] * BATCH, [3] * BATCH, drafts, [q] * BATCH)
+        p0 = process_logits(raw[:1].repeat(BATCH, 1), [s] * BATCH, [1] * BATCH, [[]] * BATCH)
+        plain.append(torch.tensor(verify(p0, [s] * BATCH, [1] * BATCH, [[]] * BATCH, [None] * BATCH)).flatten())
+    pv_spec0 = chi2_pvalue(position(spec_outs, 0), ref[0])
+    pv_spec1 = chi2_pvalue(position(spec_outs, 1), ref[1])
+    pv_plain = chi2_pvalue(torch.cat(plain), ref[0])
+    print(f"grammar chi2: speculative p-values {pv_spec0:.3g} / {pv_spec1:.3g}, plain {pv_plain:.3g}")
+    assert pv_spec0 > 0.01 and pv_spec1 > 0.01 and pv_plain > 0.01
+    assert len(position(spec_outs, 1)) > 1000  # the second position was reached often enough to test
+
+
+def test_chi2_grammar_check_detects_an_unmasked_target(compiler):
+    """The same check fails when the verifier sees the unmasked target (the mask skipped at row 0)."""
+    from tests.test_rejection import BATCH, chi2_pvalue
+
+    gen = torch.Generator().manual_seed(5)
+    raw = torch.randn(1, V, generator=gen) * 2.0
+    letters = list(range(ord("a"), ord("f") + 1))
+    ref = torch.zeros(V)
+    ref[letters] = torch.softmax(raw[0, letters], dim=-1)
+    p = probs_from_logits(raw)[0]
+    draws = torch.multinomial(p, BATCH, replacement=True, generator=gen)
+    with pytest.raises(AssertionError, match="outside the target's support"):
+        chi2_pvalue(draws, ref)
+
+
+# -- end to end on a tiny model ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("structured")
+    target = save_tiny_checkpoint(root / "target", seed=3, layers=2)
+    draft = save_tiny_checkpoint(root / "draft", seed=4, layers=1)
+    return target, draft
+
+
+PROMPTS = ["name: Bob, age 7 ->", "hello hello hello", "abc abc abc abc", "{\"x\": 1} {\"x\":", "list: a, b, c, d"]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "age", "ok"], "additionalProperties": False}
+CONSTRAINTS = [SO(json=SCHEMA), SO(regex=r"(ab|cd)[0-9]{2,4}!"), SO(choice=("alpha", "beta", "gamma")),
+               SO(grammar='root ::= "[" item ("," item)* "]"\nitem ::= [a-c]+'), SO(json_object=True)]
+METHODS = ["ngram", "draft", "layer_skip", "draft+lookup"]
+
+
+def engine(path: str, draft: str, method: str | None, bs: int, grammar_drafts: bool = True) -> LLM:
+    args: dict = dict(dtype="float32", device="cpu", num_blocks=256, max_num_seqs=bs)
+    if method is not None:
+        args.update(speculative_method=method.split("+")[0], num_speculative_tokens=4, speculative_adaptive=False,
+                    grammar_drafts=grammar_drafts)
+        if method.startswith("draft"):
+            args["speculative_model"] = draft
+        if method == "layer_skip":
+            args["draft_layers"] = 1
+        if method == "draft+lookup":
+            args.update(prompt_lookup_first=True, prompt_lookup_min=1)
+    return LLM(path, **args)
+
+
+def generate(llm: LLM, bs: int) -> tuple[list[list[int]], list[str], list[str | None]]:
+    """Every constraint on every prompt, plus free rows, at once (mixed batches): token ids, texts, finishes."""
+    outs = []
+    for p in PROMPTS:
+        for c in [*CONSTRAINTS, None]:
+            outs.append((p, SamplingParams(temperature=0, max_tokens=24 if c is not None else 12,
+                                           structured_outputs=c, ignore_eos=c is None)))
+    results = []
+    for start in range(0, len(outs), bs * 2):
+        chunk = outs[start:start + bs * 2]
+        results += [o.outputs[0] for o in llm.generate([p for p, _ in chunk], [sp for _, sp in chunk])]
+    return [list(r.token_ids) for r in results], [r.text for r in results], [r.finish_reason for r in results]
+
+
+@pytest.fixture(scope="module")
+def reference(paths):
+    return {bs: generate(engine(paths[0], paths[1], None, bs), bs) for bs in (1, 8)}
+
+
+def check_constraint(c: SO | None, text: str, finish: str) -> None:
+    if c is None or finish != "stop":
+        return
+    if c.kind == "json":
+        obj = json.loads(text)
+        assert set(obj) == {"name", "age", "ok"} and isinstance(obj["age"], int) and isinstance(obj["ok"], bool)
+    elif c.kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif c.kind == "regex":
+        assert re.fullmatch(c.regex or "", text), text
+    elif c.kind == "choice":
+        assert text in (c.choice or ()), text
+    else:
+        assert re.fullmatch(r"\[[a-c]+(,[a-c]+)*\]", text), text
+
+
+def test_outputs_follow_their_constraints(reference):
+    toks, texts, finishes = reference[8]
+    cons = [c for _ in PROMPTS for c in [*CONSTRAINTS, None]]
+    assert sum(f == "stop" for f, c in zip(finishes, cons) if c is not None) >= len(PROMPTS) * 3
+    for c, text, finish in zip(cons, texts, finishes):
+        check_constraint(c, text, finish)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("bs", [1, 8])
+def test_greedy_equal_with_grammars(paths, reference, method, bs):
+    for grammar_drafts in (True, False):
+        llm = engine(paths[0], paths[1], method, bs, grammar_drafts)
+        toks, _, _ = generate(llm, bs)
+        assert toks == reference[bs][0], (method, bs, grammar_drafts)
+        sources = llm.get_metrics()["speculative_sources"]
+        assert llm.get_metrics()["speculative"]["draft_tokens"] > 0
+        if grammar_drafts:  # the grammar forced tokens (JSON keys, the rest of a choice) and they were drafted
+            assert sources["grammar"]["draft_tokens"] > 0
+            assert sources["grammar"]["acceptance_rate"] > 0.5
+        else:
+            assert "grammar" not in sources
+
+
+def test_grammar_drafts_cut_forbidden_model_drafts(paths, compiler):
+    """With grammar-aware drafting no draft token the grammar forbids reaches verification."""
+    llm = engine(paths[0], paths[1], "draft", 1)
+    drafter = llm.engine.runner.drafter
+    seen: list[tuple[list[int], bool]] = []
+    original = drafter.propose
+
+    def spy(cands):
+        out = original(cands)
+        for c in cands:
+            d = out.get(c.req_id)
+            if d is not None and c.state.grammar is not None:
+                seen.append((d.token_ids, c.state.grammar.valid_prefix(d.token_ids) == len(d.token_ids)))
+        return out
+
+    drafter.propose = spy
+    llm.generate(["abc abc"], SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(json=SCHEMA)))
+    assert seen and all(ok for _, ok in seen)
+
+
+def test_min_tokens_end_to_end(paths):
+    """EOS pushed up by logit_bias: without min_tokens the request ends at once; with min_tokens=6 it never
+    emits EOS in its first 6 tokens (the mask, not the stop check, holds it back), with speculation too."""
+    for method in (None, "ngram"):
+        llm = engine(paths[0], paths[1], method, 2)
+        short = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=10, logit_bias={EOS: 100}))[0]
+        assert short.outputs[0].token_ids == [EOS] or short.outputs[0].token_ids == []
+        out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=10, min_tokens=6,
+                                                     logit_bias={EOS: 100}))[0].outputs[0]
+        assert EOS not in out.token_ids[:6] and len(out.token_ids) >= 6
+        sampled = llm.generate(["hi"] * 4, SamplingParams(temperature=1.0, seed=3, max_tokens=10, min_tokens=5,
+                                                         logit_bias={EOS: 8}))
+        assert all(EOS not in o.outputs[0].token_ids[:5] for o in sampled)
+
+
+def test_unsatisfiable_within_max_tokens_finishes_with_length(paths):
+    llm = engine(paths[0], paths[1], "ngram", 1)
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=5, structured_outputs=SO(regex="a{20}")))
+    assert out[0].outputs[0].finish_reason == "length" and out[0].outputs[0].text == "a" * 5
+
+
+@pytest.mark.parametrize(("constraint", "message"), [
+    (SO(json={"type": "objec"}), "invalid JSON schema"),
+    (SO(json="{not json"), "not valid JSON"),
+    (SO(regex="a("), "invalid regex"),
+    (SO(grammar="root ::= foo"), "invalid EBNF grammar"),
+])
+def test_bad_constraints_are_clear_errors(paths, constraint, message):
+    llm = engine(paths[0], paths[1], None, 1)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=constraint))
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks  # nothing was queued or leaked
+
+
+def test_bad_params_are_clear_errors(paths):
+    with pytest.raises(ValueError, match="exactly one of"):
+        SO(json={}, regex="a")
+    with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={3: 101})
+    llm = engine(paths[0], paths[1], None, 1)
+    with pytest.raises(ValueError, match="below the vocabulary size"):
+        llm.generate(["x"], SamplingParams(max_tokens=4, logit_bias={V + 5: 1.0}))
