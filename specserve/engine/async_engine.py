@@ -20,11 +20,15 @@ from typing import Any
 
 from specserve.engine.engine import Engine
 from specserve.outputs import RequestOutput
+from specserve.sample.grammar import GrammarError
 from specserve.sampling_params import SamplingParams
 
 log = logging.getLogger("specserve.async_engine")
 
 _END = object()  # end of stream without a finished output (aborted)
+# A structured output's grammar compiles in a worker thread, off the engine loop; past this it is refused
+# (the compile thread finishes in the background, its result cached for a retry of the same constraint).
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 class QueueFullError(RuntimeError):
@@ -157,14 +161,30 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = (loop, stream)
+        try:
+            grammar = await self._compile_grammar(params) if params.structured_outputs is not None else None
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise
         fut: asyncio.Future[None] = loop.create_future()
-        self._send("add", request_id, (prompt, params, prompt_token_ids, speculative), loop, fut)
+        self._send("add", request_id, (prompt, params, prompt_token_ids, speculative, grammar), loop, fut)
         try:
             await fut
         except asyncio.CancelledError:
             self.abort(request_id)  # NOTE: the add is ahead of this abort in the command queue
             raise
         return stream
+
+    async def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's grammar, compiled in a thread (other requests' steps go on meanwhile)."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.engine.compile_grammar, params),
+                                          GRAMMAR_COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            assert params.structured_outputs is not None
+            raise GrammarError(f"the {params.structured_outputs.kind} constraint did not compile "
+                             f"within {GRAMMAR_COMPILE_TIMEOUT_S:.0f} s; simplify it") from None
 
     async def generate(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                        prompt_token_ids: list[int] | None = None,
@@ -234,12 +254,12 @@ class AsyncEngine:
 
     def _do_add(self, request_id: str, args: tuple[Any, ...], loop: asyncio.AbstractEventLoop,
                 fut: asyncio.Future[None], closing: bool) -> None:
-        prompt, params, prompt_token_ids, speculative = args
+        prompt, params, prompt_token_ids, speculative, grammar = args
         try:
             if closing:
                 raise EngineClosedError("the engine is shutting down")
             self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                    speculative=speculative)
+                                    speculative=speculative, grammar=grammar)
         except Exception as e:
             with self._lock:
                 self._streams.pop(request_id, None)

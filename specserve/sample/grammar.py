@@ -29,11 +29,15 @@ from specserve.sampling_params import StructuredOutputsParams
 MAX_ROLLBACK_TOKENS = 64
 
 
+class GrammarError(ValueError):
+    """A structured-output constraint that does not compile (the server names the parameter it came from)."""
+
+
 def _xgr():  # type: ignore[no-untyped-def]
     try:
         import xgrammar
     except ImportError as e:  # pragma: no cover - a dependency of the package
-        raise ValueError("structured outputs need the xgrammar package (pip install xgrammar)") from e
+        raise GrammarError("structured outputs need the xgrammar package (pip install xgrammar)") from e
     return xgrammar
 
 
@@ -86,9 +90,9 @@ class GrammarCompiler:
                 try:
                     parsed = json.loads(schema)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+                    raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
                 if not isinstance(parsed, dict):
-                    raise ValueError("the JSON schema must be a JSON object")
+                    raise GrammarError("the JSON schema must be a JSON object")
                 return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
@@ -97,10 +101,10 @@ class GrammarCompiler:
                 alternatives = " | ".join(json.dumps(c) for c in params.choice)
                 return compiler.compile_grammar(f"root ::= {alternatives}")
             return compiler.compile_grammar(params.grammar)
-        except ValueError:
+        except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError with "[time] file:line: message"
-            raise ValueError(f"invalid {_NAMES[kind]}: {_compiler_message(e)}") from None
+            raise GrammarError(f"invalid {_NAMES[kind]}: {_compiler_message(e)}") from None
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",

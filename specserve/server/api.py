@@ -232,7 +232,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             rid = f"cmpl-{uuid.uuid4().hex}"
             streams = await start(state, rid, body.prompts(), params, body.speculative is not False)
         except Exception as e:
-            return as_api_error(e, completion_fields).response()
+            return as_api_error(e, completion_fields, body.constraint_param()).response()
         run = Run(state, rid, streams, params, body.include_usage)
         run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         if body.stream:
@@ -254,7 +254,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             streams = await start(state, rid, [ids], params, body.speculative is not False)
         except Exception as e:
-            return as_api_error(e, chat_fields).response()
+            return as_api_error(e, chat_fields, body.constraint_param()).response()
         run = Run(state, rid, streams, params, body.include_usage)
         run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         if body.stream:

@@ -1,11 +1,13 @@
 """OpenAI-compatible request and response models (pydantic 2).
 
 Requests reject unknown top-level fields (``extra="forbid"``) so that a typo is a 400, not a silently ignored
-knob. Accepted but ignored OpenAI fields: ``user``, ``logit_bias`` (only when empty), ``best_of`` (only when
-equal to ``n``), ``response_format`` (only ``{"type": "text"}``). Extensions (vLLM names): ``top_k``,
-``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``include_stop_str_in_output``, ``skip_special_tokens`` and ours, ``speculative`` (default true) and
-``stream_options.include_spec_info`` (default false; see ``server/webui.py``).
+knob. Accepted but ignored OpenAI fields: ``user``, ``best_of`` (only when equal to ``n``). Structured outputs:
+OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and vLLM's ``structured_outputs``
+(``json`` | ``regex`` | ``choice`` | ``grammar`` | ``json_object``) or its older ``guided_json`` /
+``guided_regex`` / ``guided_choice`` / ``guided_grammar``, on both routes (one of them per request).
+Extensions (vLLM names): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
+``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens`` and ours, ``speculative`` (default
+true) and ``stream_options.include_spec_info`` (default false; see ``server/webui.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.request import SpecStats
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Chat default for max_tokens when neither max_tokens nor max_completion_tokens is given: up to the end of
 # the context (as vLLM) but at most this many, so that a forgotten limit does not hold a slot for minutes.
@@ -96,13 +98,48 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     speculative: bool | None = True
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    def constraint_param(self) -> str | None:
+        """The request field a structured-output constraint came from (None when there is none or several)."""
+        try:
+            return self.constraint()[1]
+        except ValueError:
+            return None
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The structured-output constraint and the parameter it came from (None, None: free text).
+        Raises ValueError starting with that parameter's name."""
+        given = [name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                   "guided_grammar") if getattr(self, name) is not None]
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]} both constrain the output; give one")
+        if not given:
+            return None, None
+        name = given[0]
+        try:
+            if name == "response_format":
+                return _response_format(rf or {}), name
+            if name == "structured_outputs":
+                so = dict(self.structured_outputs or {})
+                known = {"json", "regex", "choice", "grammar", "json_object"}
+                so = {k: v for k, v in so.items() if v is not None and v is not False}
+                unknown = sorted(set(so) - known)
+                if unknown:
+                    raise ValueError(f"unknown field {unknown[0]!r}; use one of {sorted(known)}")
+                return StructuredOutputsParams(**so), name
+            field = name.removeprefix("guided_")
+            return StructuredOutputsParams(**{field: getattr(self, name)}), name
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}: {str(e).removeprefix('structured_outputs ')}") from None
 
     @property
     def include_usage(self) -> bool:
@@ -114,6 +151,11 @@ class _SamplingRequest(_Strict):
         if self.best_of is not None and self.best_of != n:
             raise ValueError(f"best_of must equal n ({n}) when given, got {self.best_of}")
         kw: dict[str, Any] = {"n": n, "max_tokens": max_tokens, "logprobs": logprobs}
+        if self.logit_bias:
+            kw["logit_bias"] = _logit_bias(self.logit_bias)
+        constraint, _ = self.constraint()
+        if constraint is not None:
+            kw["structured_outputs"] = constraint
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                      "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -121,6 +163,37 @@ class _SamplingRequest(_Strict):
             if value is not None:
                 kw[name] = value
         return SamplingParams(**kw)
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids (integers as strings), got {key!r}") from None
+        out[token] = value
+    return out
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutputsParams:
+    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
+    "schema", "strict", "description"}}."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise ValueError(f"type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'name' and a 'schema'")
+    name = spec.get("name")
+    if name is not None and not (isinstance(name, str) and 0 < len(name) <= 64):
+        raise ValueError("json_schema.name must be a string of 1 to 64 characters")
+    schema = spec.get("schema", {"type": "object"})  # OpenAI: no schema means any object
+    if not isinstance(schema, dict):
+        raise ValueError("json_schema.schema must be a JSON schema object")
+    return StructuredOutputsParams(json=schema)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -194,14 +267,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"response_format type {v.get('type')!r} is not supported (only 'text')")
-        return v
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
