@@ -1,12 +1,14 @@
 """Benchmark workloads built offline and deterministically from material on every machine.
 
-Four built-in workloads, each a JSON file in ``specserve/data/workloads/``:
+Five built-in workloads, each a JSON file in ``specserve/data/workloads/``:
 
 - ``code``: signature + docstring of a Python standard-library function, asking for the body.
 - ``summarize``: a long stdlib module (or function) docstring to summarise: high prompt/output overlap.
 - ``chat``: varied everyday instructions written here (``CHAT_INSTRUCTIONS``).
 - ``edit``: a stdlib function to rewrite with a small change (rename, type hints, ...): the best case for
   prompt lookup (n-gram) speculation, since the answer mostly copies the prompt.
+- ``json``: a stdlib function's source, asking for its signature as JSON under a schema carried in the
+  item's ``response_format`` (structured output: the grammar forces the keys, the values copy the prompt).
 
 Stdlib sources are read from the files (never imported), walked with ``ast`` in source order, and
 selected with a stable hash, so two builds on the same Python version are byte-identical. Each prompt
@@ -52,7 +54,7 @@ SUMMARIZE_MODULES = (
     "plistlib", "doctest", "subprocess",
 )
 MAX_PROMPT_CHARS = 3000  # ~1000 tokens of English or code for a BPE tokenizer: fits a small model's context
-NUM_CODE, NUM_SUMMARIZE, NUM_EDIT = 64, 40, 48
+NUM_CODE, NUM_SUMMARIZE, NUM_EDIT, NUM_JSON = 64, 40, 48, 32
 TRAIN_CODE, NUM_CODE_TRAIN = "stdlib-code", 600  # distill's extra code prompts (not a benchmark)
 
 CHAT_INSTRUCTIONS = (
@@ -134,6 +136,7 @@ class Item:
     prompt: str | None = None
     source: dict[str, Any] = field(default_factory=dict)
     task: str | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's shape: the output's JSON schema (``json``)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id}
@@ -143,6 +146,8 @@ class Item:
             d["prompt"] = self.prompt
         if self.task:
             d["task"] = self.task
+        if self.response_format is not None:
+            d["response_format"] = self.response_format
         d["source"] = self.source
         return d
 
@@ -370,14 +375,53 @@ def build_edit() -> list[Item]:
     return items
 
 
+SIGNATURE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 64},
+        "parameters": {"type": "array", "maxItems": 8, "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 32},
+                           "default": {"type": ["string", "null"], "maxLength": 32}},
+            "required": ["name", "default"], "additionalProperties": False}},
+        "returns_value": {"type": "boolean"},
+        "raises": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 32}},
+    },
+    "required": ["name", "parameters", "returns_value", "raises"],
+    "additionalProperties": False,
+}
+
+
+def _json_keep(d: _Def) -> bool:
+    n_lines = (d.node.end_lineno or d.node.lineno) - d.node.lineno
+    return _public(d) and bool(d.node.args.args) and 3 <= n_lines <= 40 and len(_segment(d)) <= MAX_PROMPT_CHARS // 2
+
+
+def build_json() -> list[Item]:
+    """A stdlib function's source; ask for its signature as JSON under one schema (``response_format``):
+    schema-constrained extraction, where the keys and punctuation are forced by the grammar and the values
+    copy the prompt."""
+    rf = {"type": "json_schema", "json_schema": {"name": "function_signature", "schema": SIGNATURE_SCHEMA,
+                                                 "strict": True}}
+    items = []
+    for i, d in enumerate(_select(SUMMARIZE_MODULES + CODE_MODULES, _json_keep, per=2, limit=NUM_JSON)):
+        text = ("Extract the signature of this Python function as JSON: its name, its parameters with their "
+                "default values (as source text, null when there is none), whether it returns a value, and "
+                f"the exceptions it raises.\n\n```python\n{_segment(d)}\n```")
+        items.append(Item(f"json-{i:03d}", _user(text), source=d.provenance, task="extract_signature",
+                          response_format=rf))
+    return items
+
+
 BUILDERS: dict[str, Callable[[], list[Item]]] = {
-    "code": build_code, "summarize": build_summarize, "chat": build_chat, "edit": build_edit,
+    "code": build_code, "summarize": build_summarize, "chat": build_chat, "edit": build_edit, "json": build_json,
 }
 DESCRIPTIONS = {
     "code": "complete the body of a stdlib function from its signature and docstring",
     "summarize": "summarise a long stdlib docstring (high prompt/output overlap)",
     "chat": "varied everyday instructions",
     "edit": "rewrite a stdlib function with one small change (best case for prompt lookup)",
+    "json": "extract a stdlib function's signature as JSON under a schema (structured output)",
 }
 
 
@@ -400,12 +444,15 @@ def dumps(doc: dict[str, Any]) -> str:
 
 # -- loading ------------------------------------------------------------------------------------------------
 def _item(obj: dict[str, Any], default_id: str) -> Item:
+    rf = obj.get("response_format")
+    if rf is not None and not isinstance(rf, dict):
+        raise ValueError(f"dataset entry {default_id}: response_format must be an object")
     if "messages" in obj and isinstance(obj["messages"], list):
         return Item(str(obj.get("id", default_id)), messages=obj["messages"], source=obj.get("source", {}),
-                    task=obj.get("task"))
+                    task=obj.get("task"), response_format=rf)
     if isinstance(obj.get("prompt"), str):
         return Item(str(obj.get("id", default_id)), prompt=obj["prompt"], source=obj.get("source", {}),
-                    task=obj.get("task"))
+                    task=obj.get("task"), response_format=rf)
     raise ValueError(f"dataset entry {default_id} has neither a 'prompt' string nor a 'messages' list")
 
 

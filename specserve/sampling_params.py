@@ -56,6 +56,26 @@ class StructuredOutputsParams:
         if len(self.key()) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"structured_outputs.{self.kind} is larger than {MAX_GRAMMAR_CHARS} characters")
 
+    @classmethod
+    def from_response_format(cls, rf: dict[str, Any]) -> StructuredOutputsParams:
+        """OpenAI's ``response_format``: {"type": "json_object"} or {"type": "json_schema", "json_schema":
+        {"name", "schema", "strict", "description"}} (a "text" format is no constraint: not handled here)."""
+        kind = rf.get("type")
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind != "json_schema":
+            raise ValueError(f"type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'")
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'name' and a 'schema'")
+        name = spec.get("name")
+        if name is not None and not (isinstance(name, str) and 0 < len(name) <= 64):
+            raise ValueError("json_schema.name must be a string of 1 to 64 characters")
+        schema = spec.get("schema", {"type": "object"})  # OpenAI: no schema means any object
+        if not isinstance(schema, dict):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        return cls(json=schema)
+
     @property
     def kind(self) -> str:
         return "json_object" if self.json_object else next(

@@ -28,6 +28,7 @@ from specserve.bench import report
 from specserve.datasets import Item, load_dataset
 from specserve.engine_args import engine_kwargs, model_arg
 from specserve.request import SpecStats
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 from specserve.spec_decode.controller import expected_tokens, ideal_speedup
 
 log = logging.getLogger("specserve.bench")
@@ -79,6 +80,9 @@ class Run:
     spec_stats: dict[str, Any]
     target_samples: list[tuple[int, float]] = field(default_factory=list)
     draft_samples: list[tuple[int, float]] = field(default_factory=list)
+    # engine steps of the run, and verification counters per draft source ("model", "lookup", "grammar", ...)
+    num_steps: int = 0
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def tok_s(self) -> float:
@@ -126,22 +130,36 @@ def set_batch_size(llm, batch_size: int) -> None:
 
 
 def run_once(llm, prompts: list[list[int]], batch_size: int, max_tokens: int, speculative: bool,
-             ignore_eos: bool = False) -> Run:
-    """One timed ``generate`` of ``max(B, len(prompts))`` requests at ``max_num_seqs = B``, greedy."""
-    from specserve.sampling_params import SamplingParams
-
+             ignore_eos: bool = False, constraints: list[StructuredOutputsParams | None] | None = None) -> Run:
+    """One timed ``generate`` of ``max(B, len(prompts))`` requests at ``max_num_seqs = B``, greedy;
+    ``constraints[i]``: prompt i's structured-output constraint (the ``json`` workload)."""
     n = max(batch_size, len(prompts))
     reqs = [prompts[i % len(prompts)] for i in range(n)]
     set_batch_size(llm, batch_size)
     llm.engine.kv.pool.reset_prefix_cache()  # every run pays its own prefill
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    base = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    params = [dataclasses.replace(base, structured_outputs=constraints[i % len(prompts)]) if constraints else base
+              for i in range(n)]
+    before = llm.get_metrics()
     with cost_tap(_controller(llm)) as (tgt, drf):
         t0 = time.perf_counter()
         outs = llm.generate(None, params, prompt_token_ids=reqs, speculative=speculative)
         secs = time.perf_counter() - t0
+    after = llm.get_metrics()
     toks = [list(o.outputs[0].token_ids) for o in outs]
     spec_stats = SpecStats.total(o.metrics.get("speculative") or {} for o in outs).as_dict()
-    return Run(speculative, batch_size, secs, n, sum(len(t) for t in toks), toks, spec_stats, tgt, drf)
+    return Run(speculative, batch_size, secs, n, sum(len(t) for t in toks), toks, spec_stats, tgt, drf,
+               after["num_steps"] - before["num_steps"], _source_deltas(before, after))
+
+
+def _source_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for source, stats in after.get("speculative_sources", {}).items():
+        prev = before.get("speculative_sources", {}).get(source, {})
+        delta = {k: stats[k] - prev.get(k, 0) for k in ("num_drafts", "draft_tokens", "accepted_tokens")}
+        if delta["num_drafts"]:
+            out[source] = delta
+    return out
 
 
 # -- per batch size summary -----------------------------------------------------------------------------------
@@ -199,21 +217,42 @@ def summarize(batch_size: int, off: list[Run], on: list[Run], controller) -> dic
         "model_speedup": model_speedup(alpha, k_used, batch_size, t_tgt_fit, t_drf) if drafts else None,
         "mismatches": n_bad, "mismatch_examples": examples,
         "runs": [r.raw() for r in off + on], "spec_totals": spec_stats,
+        "sources": _sources_summary(on),
     }
 
 
-def warm_up(llm, prompts: list[list[int]], max_tokens: int) -> None:
-    """Excluded from the figures: first-call allocations, thread pools, the proposer's code paths."""
+def _sources_summary(on: list[Run]) -> dict[str, dict[str, Any]]:
+    """Per draft source over the speculative runs: drafted and accepted tokens, and accepted tokens per
+    engine step (for "grammar": the tokens per step that came free from the grammar)."""
+    steps = sum(r.num_steps for r in on)
+    out: dict[str, dict[str, Any]] = {}
+    for r in on:
+        for source, d in r.sources.items():
+            acc = out.setdefault(source, {"num_drafts": 0, "draft_tokens": 0, "accepted_tokens": 0})
+            for k in acc:
+                acc[k] += d[k]
+    for acc in out.values():
+        acc["acceptance_rate"] = acc["accepted_tokens"] / acc["draft_tokens"] if acc["draft_tokens"] else None
+        acc["accepted_per_step"] = acc["accepted_tokens"] / steps if steps else None
+    return out
+
+
+def warm_up(llm, prompts: list[list[int]], max_tokens: int,
+            constraints: list[StructuredOutputsParams | None] | None = None) -> None:
+    """Excluded from the figures: first-call allocations, thread pools, the proposer's code paths, grammar
+    compilation."""
     for speculative in (False, True):
-        run_once(llm, prompts[:2], 2, min(8, max_tokens), speculative)
+        run_once(llm, prompts[:2], 2, min(8, max_tokens), speculative, constraints=constraints[:2] if constraints
+                 else None)
 
 
 def run_offline(llm, prompts: list[list[int]], batch_sizes: list[int], max_tokens: int, repeats: int,
-                ignore_eos: bool = False, progress: bool = True, desc: str = "bench") -> list[dict[str, Any]]:
+                ignore_eos: bool = False, progress: bool = True, desc: str = "bench",
+                constraints: list[StructuredOutputsParams | None] | None = None) -> list[dict[str, Any]]:
     """The whole sweep: warm-up, then per batch size ``repeats`` interleaved off/on pairs; one summary each."""
     from tqdm import tqdm
 
-    warm_up(llm, prompts, max_tokens)
+    warm_up(llm, prompts, max_tokens, constraints)
     bar = tqdm(total=len(batch_sizes) * repeats * 2, desc=desc, disable=not progress, file=sys.stderr)
     out = []
     for b in batch_sizes:
@@ -221,7 +260,7 @@ def run_offline(llm, prompts: list[list[int]], batch_sizes: list[int], max_token
         on: list[Run] = []
         for r in range(repeats):
             for speculative in ((False, True) if r % 2 == 0 else (True, False)):
-                run = run_once(llm, prompts, b, max_tokens, speculative, ignore_eos)
+                run = run_once(llm, prompts, b, max_tokens, speculative, ignore_eos, constraints)
                 (on if speculative else off).append(run)
                 bar.set_postfix(batch=b, spec="on" if speculative else "off", tok_s=f"{run.tok_s:.1f}")
                 bar.update(1)
@@ -431,6 +470,20 @@ def run_llama_cpp_peer(python: str, model_path: str, prompts: list[list[int]], m
 def prompt_ids(tokenizer, items: list[Item], num_prompts: int, max_model_len: int, max_tokens: int
                ) -> list[list[int]]:
     """Token ids of the first ``num_prompts`` items that fit the context with ``max_tokens`` more."""
+    return [ids for ids, _ in select_prompts(tokenizer, items, num_prompts, max_model_len, max_tokens)]
+
+
+def constraints_of(items: list[Item]) -> list[StructuredOutputsParams | None] | None:
+    """The items' structured-output constraints (their ``response_format``), or None when none has one."""
+    if all(it.response_format is None for it in items):
+        return None
+    return [None if it.response_format is None or it.response_format.get("type", "text") == "text"
+            else StructuredOutputsParams.from_response_format(it.response_format) for it in items]
+
+
+def select_prompts(tokenizer, items: list[Item], num_prompts: int, max_model_len: int, max_tokens: int
+                   ) -> list[tuple[list[int], Item]]:
+    """(token ids, item) of the first ``num_prompts`` items that fit the context with ``max_tokens`` more."""
     out = []
     skipped = 0
     for it in items:
@@ -439,7 +492,7 @@ def prompt_ids(tokenizer, items: list[Item], num_prompts: int, max_model_len: in
         if not ids or len(ids) + max_tokens > max_model_len:
             skipped += 1
             continue
-        out.append(ids)
+        out.append((ids, it))
         if len(out) == num_prompts:
             break
     if skipped:
@@ -509,12 +562,17 @@ def cmd_offline(args: argparse.Namespace) -> int:
         peer_python = find_llama_cpp_python(args.peer_python)
         check_llama_cpp_python(peer_python)
     llm = build_llm(model, engine_kwargs(args))
-    prompts = prompt_ids(llm.tokenizer, items, args.num_prompts, llm.engine.max_model_len, args.max_tokens)
+    selected = select_prompts(llm.tokenizer, items, args.num_prompts, llm.engine.max_model_len, args.max_tokens)
+    prompts = [ids for ids, _ in selected]
+    constraints = constraints_of([it for _, it in selected])
+    if constraints and peers:
+        raise ValueError(f"dataset {args.dataset} constrains its outputs (response_format): the peers have no "
+                         f"grammar support here; run it without --peer")
     if max(batch_sizes) > len(prompts):
         print(f"bench offline: {len(prompts)} prompts, batch sizes up to {max(batch_sizes)}: prompts are "
               f"repeated to fill the batch", file=sys.stderr)
     batches = run_offline(llm, prompts, batch_sizes, args.max_tokens, args.repeats, args.ignore_eos,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, constraints=constraints)
     spec_config = dataclasses.asdict(llm.engine.config.speculative)
     doc = report.header("offline", {k: v for k, v in vars(args).items() if k != "func"})
     doc.update(model=model or default_model_path(), speculative=spec_config, num_prompts=len(prompts),
@@ -535,6 +593,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         print(f"llama.cpp peer: llama-cpp-python {doc['llama_cpp']['llama_cpp_version']}, n_threads {threads} "
               f"(specserve torch threads {torch.get_num_threads()}), batch 1, median of {args.repeats}")
     print(report.offline_table(batches, peer=doc.get("llama_cpp")))
+    print(report.sources_lines(batches))
     if "llama.cpp" in peers:
         print("\npeer llama.cpp (batch 1, greedy):")
         print(report.table(report.peer_rows(doc["llama_cpp"]), ["engine", "tok/s", "same tokens"]))

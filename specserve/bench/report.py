@@ -103,6 +103,20 @@ def offline_rows(batches: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def sources_lines(batches: list[dict[str, Any]]) -> str:
+    """Per batch size, per draft source: accepted / drafted tokens and accepted tokens per engine step (the
+    "grammar" source's are the tokens that came free from a structured output's grammar)."""
+    lines = []
+    for b in batches:
+        for source, s in sorted((b.get("sources") or {}).items()):
+            rate = s.get("acceptance_rate")
+            lines.append(f"batch {b['batch_size']}: drafts from {source or 'the proposer'}: "
+                         f"{s['accepted_tokens']}/{s['draft_tokens']} accepted"
+                         f"{f' ({rate:.2f})' if rate is not None else ''}, "
+                         f"{s['accepted_per_step'] or 0:.2f} accepted tokens per step")
+    return "\n".join(lines)
+
+
 def offline_table(batches: list[dict[str, Any]], markdown: bool = False, peer: dict[str, Any] | None = None) -> str:
     """With ``peer`` (a batch-1 peer such as llama.cpp: ``name``, ``tok_s``): its tok/s and the ratios
     specserve off / peer and on / peer next to specserve's figures, on the batch-1 row."""

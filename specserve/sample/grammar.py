@@ -181,12 +181,30 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_table(device: torch.device) -> torch.Tensor:
+    """[256, 8] float32: entry (b, i) is 0.0 where bit i of byte b is set, -inf where it is clear."""
+    table = _BIT_TABLES.get(device)
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        table = _BIT_TABLES[device] = torch.where(bits.bool(), 0.0, float("-inf")).to(device)
+    return table
+
+
 def apply_grammar(out: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    """``out[rows[i], t] = -inf`` where bit t of ``bitmask[i]`` is 0 (tokens past the bitmask stay allowed
-    only if the bitmask covers the whole row: it is sized to the logits' width)."""
+    """``out[rows[i], t] = -inf`` where bit t of ``bitmask[i]`` (int32 words, xgrammar's layout: token t is
+    bit t % 32 of word t // 32) is clear.
+
+    NOTE: one gather of a byte -> 8-floats table and one add (-inf + x = -inf, 0 + x = x): several times
+    faster on CPUs than unpacking bits and ``masked_fill``. The byte view of the int32 words assumes a
+    little-endian host, as every supported platform is."""
     vocab = out.shape[1]
-    bits = torch.arange(32, device=out.device, dtype=torch.int32)
-    words = bitmask.to(out.device)
-    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().view(len(rows), -1)[:, :vocab]  # [R, V]
-    idx = to_device(rows, out.device, torch.long)
-    out.index_copy_(0, idx, out.index_select(0, idx).masked_fill(~allowed, float("-inf")))
+    words = bitmask.to(out.device).contiguous()
+    codes = words.view(torch.uint8).view(-1).int()  # [R * 4W]
+    bias = _bit_table(out.device).index_select(0, codes).view(len(rows), -1)[:, :vocab]  # [R, V]
+    if rows == list(range(out.shape[0])):
+        out.add_(bias)
+    else:
+        out.index_add_(0, to_device(rows, out.device, torch.long), bias)

@@ -127,7 +127,7 @@ class _SamplingRequest(_Strict):
         name = given[0]
         try:
             if name == "response_format":
-                return _response_format(rf or {}), name
+                return StructuredOutputsParams.from_response_format(rf or {}), name
             if name == "structured_outputs":
                 so = dict(self.structured_outputs or {})
                 known = {"json", "regex", "choice", "grammar", "json_object"}
@@ -174,26 +174,6 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
             raise ValueError(f"logit_bias keys must be token ids (integers as strings), got {key!r}") from None
         out[token] = value
     return out
-
-
-def _response_format(rf: dict[str, Any]) -> StructuredOutputsParams:
-    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
-    "schema", "strict", "description"}}."""
-    kind = rf.get("type")
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if kind != "json_schema":
-        raise ValueError(f"type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'")
-    spec = rf.get("json_schema")
-    if not isinstance(spec, dict):
-        raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'name' and a 'schema'")
-    name = spec.get("name")
-    if name is not None and not (isinstance(name, str) and 0 < len(name) <= 64):
-        raise ValueError("json_schema.name must be a string of 1 to 64 characters")
-    schema = spec.get("schema", {"type": "object"})  # OpenAI: no schema means any object
-    if not isinstance(schema, dict):
-        raise ValueError("json_schema.schema must be a JSON schema object")
-    return StructuredOutputsParams(json=schema)
 
 
 class CompletionRequest(_SamplingRequest):
