@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from specserve.config import EngineConfig, ModelArch, SpecserveError
@@ -28,7 +29,7 @@ from specserve.spec_decode.controller import FREE_SOURCES, GRAMMAR_SOURCE, SpecC
 from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.spec_decode.eagle import EagleProposer
 from specserve.spec_decode.lookup_first import LookupFirstProposer
-from specserve.spec_decode.ngram import NgramProposer
+from specserve.spec_decode.ngram import NgramProposer, lookup
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
 from specserve.worker.features import FeatureBuffer, eagle_step
 from specserve.worker.graphs import GraphPlan, ModelStep
@@ -186,7 +187,7 @@ class Drafter:
             if c.k < 1:
                 continue
             if f:
-                out[c.req_id] = Draft(f[:c.k])
+                out[c.req_id] = Draft(self._grammar_draft(c, f))
                 self._sources[c.req_id] = source
                 continue
             buf = self._features.get(c.req_id)
@@ -212,6 +213,20 @@ class Drafter:
                 out[r.req_id] = d
                 self._sources[r.req_id] = source
         return out
+
+    def _grammar_draft(self, c: ProposeRequest, forced: list[int]) -> list[int]:
+        """The tokens the grammar forces, then (room left) what followed the same tokens earlier in the
+        request's history (prompt lookup over history + forced), cut where the grammar stops allowing it."""
+        toks = forced[:c.k]
+        if len(toks) < c.k:
+            cfg = self.spec_config
+            assert cfg.prompt_lookup_min is not None and c.state.grammar is not None
+            more = lookup(np.asarray(c.token_ids + toks, dtype=np.int64), c.k - len(toks), cfg.prompt_lookup_min,
+                          cfg.prompt_lookup_max)
+            if more:
+                toks = toks + more
+                toks = toks[:c.state.grammar.valid_prefix(toks)]
+        return toks
 
     def num_captures(self) -> int:
         return self._plan.capture.num_captures if self._plan is not None else 0
