@@ -54,8 +54,10 @@ class Tokenizer:
         return self.hf_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
                                         clean_up_tokenization_spaces=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation in the checkpoint's chat format ("role: content" lines without one)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation in the checkpoint's chat format ("role: content" lines without one);
+        ``tools`` (OpenAI tool dicts) go to the template's ``tools`` variable."""
         messages = [{**m, "content": _text_of(m.get("content"))} for m in messages]
         if not getattr(self.hf_tokenizer, "chat_template", None):
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -63,7 +65,7 @@ class Tokenizer:
         try:
             # Render to text, then encode: the template already spells out bos and the turn markers.
             text = self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                         tokenize=False)
+                                                         tokenize=False, tools=tools)
         except Exception as e:  # jinja2 errors, raise_exception() in templates ("roles must alternate")
             raise ValueError(f"chat template error: {e}") from e
         return self.encode(text, add_special_tokens=False)

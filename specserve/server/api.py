@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -55,6 +56,7 @@ from specserve.server.serving import (
     start,
 )
 from specserve.server.state import ServerState
+from specserve.server.tools import PARSERS, detect_parser, tool_plan, with_tools
 
 log = logging.getLogger("specserve.server")
 
@@ -149,7 +151,7 @@ def default_served_name(engine: Engine) -> str:
 def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None = None,
                served_model_name: str | None = None, max_queue: int = 256,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               max_prompt_tokens: int | None = None) -> FastAPI:
+               max_prompt_tokens: int | None = None, tool_call_parser: str = "auto") -> FastAPI:
     """An app over an engine config (loaded here), a built Engine (the app's AsyncEngine then owns its loop)
     or a shared AsyncEngine (``max_queue`` is then the AsyncEngine's own; the app neither starts a second
     loop nor shuts it down)."""
@@ -161,6 +163,9 @@ def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None 
     if max_request_bytes < 1 or (max_prompt_tokens is not None and max_prompt_tokens < 1):
         raise ValueError("max_request_bytes and max_prompt_tokens must be >= 1")
     state.max_prompt_tokens = max_prompt_tokens
+    if tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {PARSERS}, got {tool_call_parser!r}")
+    state.tool_parser = detect_parser(state.chat_template) if tool_call_parser == "auto" else tool_call_parser
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -247,15 +252,24 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         try:
             state.check_model(body.model)
-            ids = state.tokenizer.apply_chat_template([m.template_dict() for m in body.messages])
+            plan = tool_plan(body, state.tool_parser)
+            messages = with_tools(state.chat_template, [m.template_dict() for m in body.messages], plan)
+            ids = state.tokenizer.apply_chat_template(messages, tools=plan.template_tools)
             state.check_prompt_tokens(len(ids), "messages")
             max_tokens = body.resolve_max_tokens(len(ids), state.max_model_len)
             params = body.sampling_params(max_tokens, body.num_logprobs())
+            tool_constraint = plan.constraint()
+            if tool_constraint is not None:
+                if params.structured_outputs is not None:
+                    raise APIError(400, f"tool_choice {plan.mode!r} and {body.constraint_param()} both constrain "
+                                        f"the output; give one", param="tool_choice")
+                params = dataclasses.replace(params, structured_outputs=tool_constraint)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             streams = await start(state, rid, [ids], params, body.speculative is not False)
         except Exception as e:
-            return as_api_error(e, chat_fields, body.constraint_param()).response()
+            return as_api_error(e, chat_fields, body.constraint_param() or "tools").response()
         run = Run(state, rid, streams, params, body.include_usage)
+        run.tool_plan = plan
         run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         if body.stream:
             return sse_response(events(run, chat_chunks(run), "chat.completion.chunk"))
@@ -281,7 +295,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], args: Any) -> i
                      served_model_name=getattr(args, "served_model_name", None),
                      max_queue=getattr(args, "max_queue", 256),
                      max_request_bytes=getattr(args, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES,
-                     max_prompt_tokens=getattr(args, "max_prompt_tokens", None))
+                     max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
+                     tool_call_parser=getattr(args, "tool_call_parser", None) or "auto")
     state: ServerState = app.state.specserve
     host, port = args.host, args.port
     print(f"specserve: serving {state.served_name!r} at http://{host}:{port}/v1 "

@@ -12,6 +12,7 @@ true) and ``stream_options.include_spec_info`` (default false; see ``server/webu
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -224,12 +225,15 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    # Extra message fields (tool_calls, ...) are ignored; only role, content and name reach the template.
+    # Other message fields (refusal, audio, ...) are ignored; role, content, name and the tool fields reach the
+    # template.
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -238,11 +242,30 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
         return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A history tool call as chat templates read it: arguments as an object (templates apply tojson)."""
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args)
+        except ValueError:
+            pass
+    return {**call, "type": call.get("type", "function"), "function": fn}
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -304,6 +327,7 @@ class CompletionResponse(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -449,10 +473,15 @@ def completion_response(rid: str, created: int, model: str, choices: list[tuple[
 
 
 def chat_response(rid: str, created: int, model: str, choices: list[tuple[int, CompletionOutput]],
-                  usage: Usage, decode: Callable[[int], str] | None) -> dict[str, Any]:
-    """The non-streamed /v1/chat/completions body."""
-    out = [ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                      stop_reason=c.stop_reason,
-                      logprobs=chat_logprobs(decode, c.logprobs or []) if decode else None)
-           for i, c in choices]
+                  usage: Usage, decode: Callable[[int], str] | None,
+                  tool_parse: Callable[[str], tuple[str | None, list[dict[str, Any]]]] | None = None
+                  ) -> dict[str, Any]:
+    """The non-streamed /v1/chat/completions body; ``tool_parse``: text -> (content, tool call dicts)."""
+    out = []
+    for i, c in choices:
+        content, calls = tool_parse(c.text) if tool_parse is not None else (c.text, [])
+        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        out.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
+                              finish_reason=finish, stop_reason=c.stop_reason,
+                              logprobs=chat_logprobs(decode, c.logprobs or []) if decode else None))
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=usage).model_dump()

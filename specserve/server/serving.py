@@ -28,6 +28,7 @@ from specserve.server.errors import APIError, as_api_error
 from specserve.server.metrics import RequestTimer
 from specserve.server.protocol import Delta, ErrorResponse
 from specserve.server.state import ServerState
+from specserve.server.tools import ToolPlan
 
 log = logging.getLogger("specserve.server")
 
@@ -108,6 +109,7 @@ class Run:
         self._num_tokens = 0
         self._hold = max((len(s) for s in params.stop or []), default=1) - 1  # see Delta
         self.spec_info: webui.SpecInfo | None = None  # stream_options.include_spec_info (server/webui.py)
+        self.tool_plan: ToolPlan | None = None  # chat with tools (server/tools.py)
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         async for i, out in merge_streams(self.streams):
@@ -210,6 +212,8 @@ async def chat_chunks(run: Run) -> AsyncGenerator[dict[str, Any], None]:
         return {"id": run.id, "object": "chat.completion.chunk", "created": run.created, "model": run.model,
                 "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
+    plan = run.tool_plan if run.tool_plan is not None and run.tool_plan.active else None
+    content_sent: dict[int, int] = {}  # with tools: characters of content streamed per choice
     for j in range(run.params.n):
         yield chunk(j, {"role": "assistant", "content": ""})
     async for _, out in run.outputs():
@@ -219,11 +223,39 @@ async def chat_chunks(run: Run) -> AsyncGenerator[dict[str, Any], None]:
                 continue
             text, t0, t1 = step
             lp = proto.chat_logprobs(run.decode, (comp.logprobs or [])[t0:t1]) if want_lp else None
+            if plan is not None:  # content as it comes; tool calls when the choice ends
+                deltas, num_calls = _tool_deltas(plan, comp, run.deltas[comp.index].sent, content_sent)
+                for d in deltas:
+                    yield chunk(comp.index, d, lp, None)
+                    lp = None
+                if comp.finished:
+                    finish = "tool_calls" if num_calls and comp.finish_reason == "stop" else comp.finish_reason
+                    yield chunk(comp.index, {}, lp, finish)
+                continue
             delta: dict[str, Any] = {"content": text} if text else {}
             if run.spec_info is not None:
                 delta.update(run.spec_info.fields(comp.index, out.prompt_token_ids, comp, text,
                                                   run.deltas[comp.index].sent))
             yield chunk(comp.index, delta, lp, comp.finish_reason)
+
+
+def _tool_deltas(plan: ToolPlan, comp: CompletionOutput, released: int, sent: dict[int, int]
+                 ) -> tuple[list[dict[str, Any]], int]:
+    """Deltas for a choice of a request with tools, and its number of tool calls: content that cannot be a
+    tool call yet (``sent``: characters streamed per choice), and at the end the rest of the content and
+    one ``tool_calls`` entry per call."""
+    done = sent.get(comp.index, 0)
+    if not comp.finished:
+        content = plan.stream_content(comp.text[:released])
+        sent[comp.index] = max(done, len(content))
+        return ([{"content": content[done:]}] if len(content) > done else []), 0
+    out: list[dict[str, Any]] = []
+    final, calls = plan.parse(comp.text)
+    if final and len(final) > done and final.startswith(comp.text[:done]):
+        out.append({"content": final[done:]})
+    if calls:
+        out.append({"tool_calls": [c.as_dict(k) for k, c in enumerate(calls)]})
+    return out, len(calls)
 
 
 def completion_response(run: Run) -> dict[str, Any]:
@@ -233,4 +265,10 @@ def completion_response(run: Run) -> dict[str, Any]:
 
 def chat_response(run: Run) -> dict[str, Any]:
     decode = run.decode if run.params.logprobs is not None else None
-    return proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode)
+    plan = run.tool_plan
+    parse = None
+    if plan is not None and plan.active:
+        def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+            content, calls = plan.parse(text)
+            return content, [c.as_dict() for c in calls]
+    return proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode, parse)

@@ -23,6 +23,8 @@ class ServerState:
         self.metrics = ServerMetrics(engine.get_metrics, served_name)
         self.max_prompt_tokens: int | None = None  # --max-prompt-tokens (None: only the context bounds it)
         self.draining = False  # set on SIGTERM: /v1 answers 503 while in-flight requests finish
+        self.chat_template: str | None = getattr(self.tokenizer.hf_tokenizer, "chat_template", None)
+        self.tool_parser = "hermes"  # --tool-call-parser, resolved (server/tools.py)
 
     def check_prompt_tokens(self, num_tokens: int, param: str) -> None:
         if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:

@@ -1,0 +1,234 @@
+"""Tool calling for /v1/chat/completions: the tool list rendered by the chat template, ``tool_choice``
+enforced by a grammar, the model's text parsed into ``message.tool_calls``.
+
+- ``none``: the tools are not shown and nothing is parsed.
+- ``auto`` (the default when tools are given): the tools go into the prompt through the checkpoint's chat
+  template (``tools=`` of ``apply_chat_template``; a template that ignores tools gets them in a system
+  message instead), and the output is parsed by the ``--tool-call-parser``: ``hermes`` (Hermes / Qwen2.5 /
+  Qwen3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks) or ``llama3_json`` (Llama 3.x:
+  ``{"name": ..., "parameters": {...}}`` objects, ``;``-separated, after an optional ``<|python_tag|>``);
+  ``auto`` picks one from the template.
+- ``required``: a JSON-schema grammar forces a JSON array of one or more ``{"name", "parameters"}`` calls (one
+  when ``parallel_tool_calls`` is false), each ``parameters`` valid under its function's schema.
+- a named function: the grammar forces that function's arguments object.
+
+A parsed output ends with ``finish_reason: "tool_calls"``. Streaming sends the text before a call as content
+deltas and each call as one ``delta.tool_calls`` entry (id, name and the whole arguments string) when the
+choice ends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.sampling_params import StructuredOutputsParams
+from specserve.server.errors import APIError
+
+PARSERS = ("auto", "hermes", "llama3_json")
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+    def as_dict(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+def _new_call(name: str, arguments: Any) -> ToolCall:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, args)
+
+
+def detect_parser(chat_template: str | None) -> str:
+    """The parser a chat template's tool-call format needs (hermes when it does not say)."""
+    template = chat_template or ""
+    if _HERMES_OPEN in template:
+        return "hermes"
+    if _PYTHON_TAG in template or "ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+@dataclass
+class ToolPlan:
+    """One request's tools and what to do with them."""
+
+    mode: str  # "none" | "auto" | "required" | "named"
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool dicts {"type", "function"}
+    parser: str = "hermes"
+    named: str | None = None
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Whether the output is parsed into tool calls."""
+        return self.mode != "none" and bool(self.tools)
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return self.tools if self.active else None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The grammar a ``required`` or named tool choice puts on the output."""
+        if self.mode == "named":
+            return StructuredOutputsParams(json=self._parameters(self.named or ""))
+        if self.mode != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": f["function"]["name"]},
+                                                   "parameters": self._parameters(f["function"]["name"])},
+                  "required": ["name", "parameters"], "additionalProperties": False} for f in self.tools]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return StructuredOutputsParams(json=schema)
+
+    def _parameters(self, name: str) -> dict[str, Any]:
+        fn = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        params = fn.get("parameters")
+        return params if isinstance(params, dict) and params else {"type": "object"}
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(message content, tool calls) of a finished output; no calls -> the text is the content."""
+        if not self.active:
+            return text, []
+        if self.mode == "named":
+            return None, [_new_call(self.named or "", text.strip())]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+                return None, [_new_call(c["name"], c.get("parameters", {})) for c in items]
+            except (ValueError, TypeError, KeyError):  # cut by max_tokens: the text stays content
+                return text, []
+        return parse_hermes(text) if self.parser == "hermes" else parse_llama3_json(text)
+
+    def stream_content(self, text: str) -> str:
+        """The part of the output so far that is certainly message content (streamed as it comes); the rest
+        may become a tool call and waits for the end."""
+        if not self.active:
+            return text
+        if self.mode in ("required", "named"):
+            return ""
+        if self.parser == "hermes":
+            at = text.find(_HERMES_OPEN)
+            if at >= 0:
+                return text[:at]
+            keep = next((n for n in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1)
+                         if _HERMES_OPEN.startswith(text[-n:])), 0)  # a tag may be starting
+            return text[:len(text) - keep]
+        head = text.lstrip()
+        if not head or head.startswith(("{", "[")) or _PYTHON_TAG.startswith(head[:len(_PYTHON_TAG)]):
+            return ""
+        return text
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[start:], flags=re.DOTALL):
+        try:
+            obj = json.loads(block.strip())
+            calls.append(_new_call(str(obj["name"]), obj.get("arguments", obj.get("parameters", {}))))
+        except (ValueError, TypeError, KeyError):
+            return text, []  # not a well-formed call: the whole text is the answer
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+            calls.append(_new_call(str(obj["name"]), obj.get("parameters", obj.get("arguments", {}))))
+        except (ValueError, TypeError, KeyError):
+            return text, []
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return None, calls
+
+
+def make_plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None, parser: str
+              ) -> ToolPlan:
+    """Validate ``tools`` / ``tool_choice`` (ValueError starting with the parameter's name)."""
+    tools = tools or []
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}].function.name is required (a non-empty string)")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise ValueError("tools has two functions with the same name")
+    clean = [{"type": "function", "function": t["function"]} for t in tools]
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}")
+        if choice != "none" and not tools:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        return ToolPlan(choice, clean, parser, None, parallel is not False)
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                         "'function': {'name': ...}}")
+    if name not in names:
+        raise ValueError(f"tool_choice names the function {name!r}, which is not in tools ({names})")
+    return ToolPlan("named", clean, parser, name, parallel is not False)
+
+
+def tools_system_message(tools: list[dict[str, Any]]) -> dict[str, str]:
+    """For a chat template that ignores ``tools``: the functions described in a system message (Hermes'
+    wording and format, so that ``hermes`` parses the answer)."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return {"role": "system", "content": (
+        "You may call one or more functions to assist with the user query. The functions:\n<tools>\n"
+        f"{listing}\n</tools>\nFor each call, return a JSON object with the function name and arguments "
+        'within <tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call>")}
+
+
+def tool_plan(body: Any, parser: str) -> ToolPlan:
+    """The plan of a chat request (``tools``, ``tool_choice``, ``parallel_tool_calls``); a 400 naming the
+    parameter when they are invalid."""
+    try:
+        return make_plan(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
+    except ValueError as e:
+        param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+        raise APIError(400, str(e), param=param) from None
+
+
+def with_tools(chat_template: str | None, messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]]:
+    """The messages to render: unchanged when the template shows ``tools`` itself (or there are none to
+    show), else with the tools described in the system message."""
+    if plan.template_tools is None or "tools" in (chat_template or ""):
+        return messages
+    note = tools_system_message(plan.tools)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note['content']}"}, *messages[1:]]
+    return [note, *messages]

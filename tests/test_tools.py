@@ -1,0 +1,239 @@
+"""Tool calling: the parsers, tool_choice's grammars, the chat template's tool rendering, and the round trip
+through the HTTP API with the openai client (tools -> tool_calls -> a role "tool" message -> an answer) on a
+tiny random model with a Qwen2-style template, both parsers, streamed and not; the demo model with
+tool_choice "required" returns arguments that validate."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from specserve.config import EngineConfig
+from specserve.engine.engine import Engine
+from specserve.server.api import create_app
+from specserve.server.tools import detect_parser, make_plan, parse_hermes, parse_llama3_json
+from tests.helpers import save_tiny_checkpoint
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string",
+                                                                                 "maxLength": 8}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
+
+QWEN_STYLE_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>\\n' }}{%- for tool in tools %}{{ tool | tojson }}"
+    "{{ '\\n' }}{%- endfor %}{{ '</tools>\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call><|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- for c in m.tool_calls %}{{ '<tool_call>\\n{\"name\": \"' + c.function.name + '\", \"arguments\": ' + "
+    "(c.function.arguments | tojson) + '}\\n</tool_call>' }}{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+MODEL_ARGS = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False,
+                  dtype="float32", num_blocks=256)
+
+
+# -- units ---------------------------------------------------------------------------------------------------
+def test_hermes_parser():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>')
+    content, calls = parse_hermes(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "CET"})]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+    assert parse_hermes("no tools here") == ("no tools here", [])
+    assert parse_hermes("<tool_call>{broken</tool_call>")[1] == []  # malformed: the text stays content
+    # the stop token ended the output before the closing tag
+    assert parse_hermes('<tool_call>{"name": "f", "arguments": {}}')[1][0].name == "f"
+
+
+def test_llama3_json_parser():
+    content, calls = parse_llama3_json('<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                                       '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}')
+    assert content is None and [c.name for c in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[1].arguments) == {"city": "Rome", "unit": "c"}
+    assert parse_llama3_json("It is sunny.") == ("It is sunny.", [])
+
+
+def test_parser_detection():
+    assert detect_parser(QWEN_STYLE_TEMPLATE) == "hermes"
+    assert detect_parser("{{ '<|python_tag|>' }}{{ 'ipython' }}") == "llama3_json"
+    assert detect_parser(None) == "hermes"
+
+
+def test_stream_content_holds_back_a_starting_tag():
+    plan = make_plan([WEATHER], "auto", None, "hermes")
+    assert plan.stream_content("Hello <tool") == "Hello "
+    assert plan.stream_content("Hello <tool_call>{") == "Hello "
+    assert plan.stream_content("Hello there") == "Hello there"
+    plan3 = make_plan([WEATHER], "auto", None, "llama3_json")
+    assert plan3.stream_content('  {"name"') == "" and plan3.stream_content("Sure, it is") == "Sure, it is"
+
+
+def test_tool_choice_grammars():
+    required = make_plan([WEATHER, TIME], "required", False, "hermes").constraint()
+    assert required is not None and isinstance(required.json, dict)
+    assert required.json["maxItems"] == 1 and len(required.json["items"]["anyOf"]) == 2
+    named = make_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None,
+                      "hermes").constraint()
+    assert named is not None and named.json == SCHEMAS["get_time"]
+    assert make_plan([WEATHER], "auto", None, "hermes").constraint() is None
+    assert not make_plan([WEATHER], "none", None, "hermes").active
+
+
+@pytest.mark.parametrize(("tools", "choice", "message"), [
+    ([{"type": "function", "function": {"description": "x"}}], "auto", "name is required"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not in tools"),
+    ([], "required", "needs tools"),
+    ([WEATHER], "sometimes", "tool_choice must be"),
+    ([WEATHER, WEATHER], "auto", "same name"),
+])
+def test_bad_tools(tools, choice, message):
+    with pytest.raises(ValueError, match=message):
+        make_plan(tools, choice, None, "hermes")
+
+
+# -- end to end on a tiny model --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("tools"), family="qwen2", seed=7,
+                                max_position_embeddings=4096)
+    cfg_file = f"{path}/tokenizer_config.json"
+    with open(cfg_file, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = QWEN_STYLE_TEMPLATE
+    with open(cfg_file, "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_path):
+    return Engine(EngineConfig.from_kwargs(tiny_path, **MODEL_ARGS))
+
+
+@pytest.fixture(scope="module", params=["hermes", "llama3_json"])
+def client(request, tiny_engine, start_server):
+    srv = start_server(create_app(tiny_engine, tool_call_parser=request.param))
+    yield request.param, openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
+    srv.stop()
+
+
+def test_template_renders_tools_and_history(tiny_engine):
+    tok = tiny_engine.tokenizer
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    text = tok.decode(tok.apply_chat_template(messages, tools=[WEATHER]), skip_special_tokens=False)
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}' in text
+    assert "<tool_response>\nrain\n</tool_response>" in text
+
+
+def _tool_args(call) -> dict:
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_round_trip(client, stream):
+    parser, c = client
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = _chat(c, stream, messages=messages, tools=[WEATHER, TIME],
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80)
+    assert first["finish_reason"] == "tool_calls" and first["content"] is None
+    (call,) = first["tool_calls"]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    _tool_args(call)
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    final = _chat(c, stream, messages=messages, tools=[WEATHER, TIME], tool_choice="none", max_tokens=8)
+    assert final["tool_calls"] is None and final["finish_reason"] in ("stop", "length")
+    assert final["content"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_the_models_call(client, stream):
+    """The model's output in the parser's format (forced here by a regex, since the model is random) comes
+    back as tool_calls, the text before it as content."""
+    parser, c = client
+    if parser == "hermes":
+        out = 'OK.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    else:
+        out = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    regex = "".join("\\" + ch if ch in '.{}[]()*+?|^$\\' else ch for ch in out)
+    res = _chat(c, stream, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, TIME], max_tokens=90,
+                extra_body={"structured_outputs": {"regex": regex}})
+    assert res["finish_reason"] == "tool_calls"
+    assert [(t.function.name, _tool_args(t)) for t in res["tool_calls"]] == [("get_time", {"zone": "UTC"})]
+    assert res["content"] == ("OK." if parser == "hermes" else None)
+
+
+def test_required_single_call(client):
+    _, c = client
+    res = _chat(c, False, messages=[{"role": "user", "content": "anything"}], tools=[WEATHER, TIME],
+                tool_choice="required", parallel_tool_calls=False, max_tokens=160)
+    assert res["finish_reason"] == "tool_calls" and len(res["tool_calls"]) == 1
+    _tool_args(res["tool_calls"][0])
+
+
+def test_tool_errors_are_400s(client):
+    _, c = client
+    msg = [{"role": "user", "content": "hi"}]
+    model = c.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError, match="name is required") as e:
+        c.chat.completions.create(model=model, messages=msg, tools=[{"type": "function", "function": {}}])
+    assert e.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match="not in tools") as e:
+        c.chat.completions.create(model=model, messages=msg, tools=[WEATHER],
+                                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert e.value.body["param"] == "tool_choice"
+
+
+def _chat(c: openai.OpenAI, stream: bool, **kw) -> dict:
+    """One chat completion's content, tool calls and finish reason; a stream is reassembled."""
+    model = c.models.list().data[0].id
+    if not stream:
+        r = c.chat.completions.create(model=model, temperature=0, **kw)
+        ch = r.choices[0]
+        return {"content": ch.message.content, "tool_calls": ch.message.tool_calls, "finish_reason": ch.finish_reason}
+    content, calls, finish = "", [], None
+    for chunk in c.chat.completions.create(model=model, temperature=0, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        calls += d.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    return {"content": content or None, "tool_calls": calls or None, "finish_reason": finish}
+
+
+# -- the demo model --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_demo_model_required_arguments_validate(server_engine, start_server):
+    srv = start_server(create_app(server_engine))
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
+        for question in ("What's the weather like in Paris today?", "What time is it in Tokyo?"):
+            res = _chat(c, False, messages=[{"role": "user", "content": question}], tools=[WEATHER, TIME],
+                        tool_choice="required", max_tokens=120)
+            assert res["finish_reason"] == "tool_calls" and res["tool_calls"]
+            for call in res["tool_calls"]:
+                _tool_args(call)
+    finally:
+        srv.stop()
