@@ -54,7 +54,7 @@ SUMMARIZE_MODULES = (
     "plistlib", "doctest", "subprocess",
 )
 MAX_PROMPT_CHARS = 3000  # ~1000 tokens of English or code for a BPE tokenizer: fits a small model's context
-NUM_CODE, NUM_SUMMARIZE, NUM_EDIT, NUM_JSON = 64, 40, 48, 32
+NUM_CODE, NUM_SUMMARIZE, NUM_EDIT, NUM_JSON = 64, 40, 48, 40
 TRAIN_CODE, NUM_CODE_TRAIN = "stdlib-code", 600  # distill's extra code prompts (not a benchmark)
 
 CHAT_INSTRUCTIONS = (
@@ -404,7 +404,7 @@ def build_json() -> list[Item]:
     rf = {"type": "json_schema", "json_schema": {"name": "function_signature", "schema": SIGNATURE_SCHEMA,
                                                  "strict": True}}
     items = []
-    for i, d in enumerate(_select(SUMMARIZE_MODULES + CODE_MODULES, _json_keep, per=2, limit=NUM_JSON)):
+    for i, d in enumerate(_select(SUMMARIZE_MODULES + CODE_MODULES, _json_keep, per=3, limit=NUM_JSON)):
         text = ("Extract the signature of this Python function as JSON: its name, its parameters with their "
                 "default values (as source text, null when there is none), whether it returns a value, and "
                 f"the exceptions it raises.\n\n```python\n{_segment(d)}\n```")

@@ -88,6 +88,7 @@ def test_workloads_deterministic_and_shipped():
         for p in doc["prompts"]:
             assert p["messages"][0]["content"] and p["source"]
             assert len(p["messages"][0]["content"]) <= workloads.MAX_PROMPT_CHARS + 200
+            assert ("response_format" in p) == (name == "json")
         path = os.path.join(workloads.WORKLOADS_DIR, f"{name}.json")
         with open(path, encoding="utf-8") as f:
             shipped = f.read()

@@ -33,7 +33,7 @@ class FakeEngine:
         self.threads: set[int] = set()
         self.fail_next_step = False
 
-    def add_request(self, request_id, prompt, params, prompt_token_ids=None, speculative=True):
+    def add_request(self, request_id, prompt, params, prompt_token_ids=None, speculative=True, grammar=None):
         self.threads.add(threading.get_ident())
         if not prompt and not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -186,7 +186,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 CASES = [
     ("unknown param", "/v1/completions", {"prompt": "hi", "foo": 1}, "foo", "foo"),
     ("unknown chat param", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools", "tools"),
+     {"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions", "functions"),
     ("temperature -1", "/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature", "non-negative"),
     ("top_p 2", "/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p", "top_p"),
     ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),
