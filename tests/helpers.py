@@ -95,6 +95,30 @@ def save_tiny_checkpoint(path, family: str = "llama", seed: int = 0, layers: int
     return str(path)
 
 
+def save_tiny_eagle_head(target: LlamaModel, path: str, gen: torch.Generator,
+                         feature_layers: tuple[int, ...] | None = None) -> str:
+    """An EAGLE head for ``target``: its first layer over fc([embedding ; features]) = embedding + 0.3 R
+    features, input norms at the embedding's scale: it agrees with the target often (drafts get accepted)
+    and depends on the features."""
+    from specserve.model.eagle_head import EagleConfig, EagleHead, save_eagle_head
+
+    h = target.arch.hidden_size
+    cfg = EagleConfig.from_target(target.arch) if feature_layers is None else \
+        EagleConfig.from_target(target.arch, feature_layers=feature_layers)
+    head = EagleHead(cfg, torch.float32, torch.device("cpu"), None, 1024)  # type: ignore[arg-type]
+    with torch.no_grad():
+        head.layer.load_state_dict(target.layers[0].state_dict())
+        head.fc[:, :h] = torch.eye(h)
+        width = head.fc.shape[1] - h
+        head.fc[:, h:] = 0.3 * torch.randn(h, width, generator=gen) / h ** 0.5
+        head.fc_bias.zero_()
+        for norm in (head.embed_norm, head.feature_norm):
+            assert norm is not None
+            norm.weight.fill_(float(target.embed.pow(2).mean().sqrt()))
+    save_eagle_head(head, path)
+    return path
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (what ByteLevel pre-tokenization emits)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))

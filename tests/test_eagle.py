@@ -25,7 +25,7 @@ from specserve.llm import LLM
 from specserve.model.eagle_head import EagleConfig, EagleHead, save_eagle_head
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import load_checkpoint
-from tests.helpers import save_tiny_checkpoint
+from tests.helpers import save_tiny_checkpoint, save_tiny_eagle_head
 
 PROMPTS = ["hello world, hello world, hello", "def add(a, b):\n    return a + b\n", "abc abc abc abc",
            "The cat sat on the mat. The cat", "for i in range(10):\n    print(i)\n", "Once upon a time",
@@ -65,30 +65,11 @@ def tiny(tmp_path_factory):
         sd[f"model.layers.1.{n}.weight"] *= 0.1
     save_file(sd, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
     model = _target_model(target)
-    h = model.arch.hidden_size
-    head = EagleHead(EagleConfig.from_target(model.arch), torch.float32, torch.device("cpu"), None, 1024)
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        head.layer.load_state_dict(model.layers[0].state_dict())
-        head.fc[:, :h] = torch.eye(h)
-        head.fc[:, h:] = 0.3 * torch.randn(h, h, generator=gen) / h ** 0.5
-        head.fc_bias.zero_()
-        for norm in (head.embed_norm, head.feature_norm):  # input norms back to the embedding's own scale
-            assert norm is not None
-            norm.weight.fill_(float(model.embed.pow(2).mean().sqrt()))
-    save_eagle_head(head, str(root / "head"))
+    save_tiny_eagle_head(model, str(root / "head"), gen)
     # An EAGLE-3-style head reading both target layers: fc's slot for layer 1 is random too, so drafts
     # depend on it (a layer tapped wrongly or misaligned shows up in the dense check).
-    multi = EagleHead(EagleConfig.from_target(model.arch, feature_layers=(1, 2)), torch.float32,
-                      torch.device("cpu"), None, 1024)
-    with torch.no_grad():
-        multi.layer.load_state_dict(model.layers[0].state_dict())
-        multi.fc[:, :h] = torch.eye(h)
-        multi.fc[:, h:] = 0.3 * torch.randn(h, 2 * h, generator=gen) / h ** 0.5
-        for norm in (multi.embed_norm, multi.feature_norm):
-            assert norm is not None
-            norm.weight.fill_(float(model.embed.pow(2).mean().sqrt()))
-    save_eagle_head(multi, str(root / "head_multi"))
+    save_tiny_eagle_head(model, str(root / "head_multi"), gen, feature_layers=(1, 2))
     return {"target": target, "head": str(root / "head"), "head_multi": str(root / "head_multi"), "root": root,
             "model": model}
 

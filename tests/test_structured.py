@@ -12,11 +12,13 @@ import torch
 
 from specserve import SamplingParams
 from specserve.llm import LLM
+from specserve.model.llama import LlamaModel
+from specserve.model.loader import load_checkpoint
 from specserve.sample.grammar import GrammarCompiler, GrammarState, bitmask_words
 from specserve.sample.rejection_sampler import verify
 from specserve.sample.sampler import RequestSamplingState, probs_from_logits, process_logits
 from specserve.sampling_params import StructuredOutputsParams as SO
-from tests.helpers import byte_tokenizer, save_tiny_checkpoint
+from tests.helpers import byte_tokenizer, save_tiny_checkpoint, save_tiny_eagle_head
 
 V = 260  # the byte tokenizer: ids 0..255 are bytes, 256 <s>, 257 </s>, 258 <pad>
 EOS = 257
@@ -157,7 +159,11 @@ def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("structured")
     target = save_tiny_checkpoint(root / "target", seed=3, layers=2)
     draft = save_tiny_checkpoint(root / "draft", seed=4, layers=1)
-    return target, draft
+    ckpt = load_checkpoint(target)
+    model = LlamaModel(ckpt.arch, torch.float32, torch.device("cpu"), None, 1024)  # type: ignore[arg-type]
+    model.load_weights(ckpt.state_dict)
+    head = save_tiny_eagle_head(model, str(root / "head"), torch.Generator().manual_seed(0))
+    return target, draft, head
 
 
 PROMPTS = ["name: Bob, age 7 ->", "hello hello hello", "abc abc abc abc", "{\"x\": 1} {\"x\":", "list: a, b, c, d"]
@@ -167,19 +173,22 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "ok"], "additionalProperties": False}
 CONSTRAINTS = [SO(json=SCHEMA), SO(regex=r"(ab|cd)[0-9]{2,4}!"), SO(choice=("alpha", "beta", "gamma")),
                SO(grammar='root ::= "[" item ("," item)* "]"\nitem ::= [a-c]+'), SO(json_object=True)]
-METHODS = ["ngram", "draft", "layer_skip", "draft+lookup"]
+METHODS = ["ngram", "draft", "layer_skip", "draft+lookup", "eagle", "eagle+lookup"]
 
 
-def engine(path: str, draft: str, method: str | None, bs: int, grammar_drafts: bool = True) -> LLM:
+def engine(path: str, draft: str, method: str | None, bs: int, grammar_drafts: bool = True, head: str = ""
+           ) -> LLM:
     args: dict = dict(dtype="float32", device="cpu", num_blocks=256, max_num_seqs=bs)
     if method is not None:
         args.update(speculative_method=method.split("+")[0], num_speculative_tokens=4, speculative_adaptive=False,
                     grammar_drafts=grammar_drafts)
         if method.startswith("draft"):
             args["speculative_model"] = draft
+        if method.startswith("eagle"):
+            args["speculative_model"] = head
         if method == "layer_skip":
             args["draft_layers"] = 1
-        if method == "draft+lookup":
+        if method.endswith("+lookup"):
             args.update(prompt_lookup_first=True, prompt_lookup_min=1)
     return LLM(path, **args)
 
@@ -231,7 +240,7 @@ def test_outputs_follow_their_constraints(reference):
 @pytest.mark.parametrize("bs", [1, 8])
 def test_greedy_equal_with_grammars(paths, reference, method, bs):
     for grammar_drafts in (True, False):
-        llm = engine(paths[0], paths[1], method, bs, grammar_drafts)
+        llm = engine(paths[0], paths[1], method, bs, grammar_drafts, head=paths[2])
         toks, _, _ = generate(llm, bs)
         assert toks == reference[bs][0], (method, bs, grammar_drafts)
         sources = llm.get_metrics()["speculative_sources"]
@@ -305,3 +314,51 @@ def test_bad_params_are_clear_errors(paths):
     llm = engine(paths[0], paths[1], None, 1)
     with pytest.raises(ValueError, match="below the vocabulary size"):
         llm.generate(["x"], SamplingParams(max_tokens=4, logit_bias={V + 5: 1.0}))
+
+
+def test_grammars_compile_off_the_engine_loop(paths, monkeypatch):
+    """A slow compile does not hold up other requests' steps, and past the cap it is a clear error."""
+    import asyncio
+    import threading
+
+    from specserve.config import EngineConfig
+    from specserve.engine import async_engine
+    from specserve.engine.async_engine import AsyncEngine
+    from specserve.engine.engine import Engine
+    from specserve.sample.grammar import GrammarError
+
+    eng = Engine(EngineConfig.from_kwargs(paths[0], dtype="float32", num_blocks=64))
+    real, started, release = eng.compile_grammar, threading.Event(), threading.Event()
+
+    def slow(params):
+        started.set()
+        release.wait(60)
+        return real(params)
+
+    monkeypatch.setattr(eng, "compile_grammar", slow)
+    aeng = AsyncEngine(eng)
+
+    async def last(rid: str, params: SamplingParams):
+        outs = [out async for out in aeng.generate(rid, "abc", params)]
+        return outs[-1]
+
+    async def main():
+        constrained = asyncio.create_task(last("g", SamplingParams(max_tokens=4, structured_outputs=SO(regex="xy"))))
+        assert await asyncio.to_thread(started.wait, 60)
+        free = await last("f", SamplingParams(max_tokens=6, ignore_eos=True))  # steps while the compile waits
+        assert len(free.outputs[0].token_ids) == 6 and not constrained.done()
+        release.set()
+        return (await constrained).outputs[0].text
+
+    try:
+        assert asyncio.run(main()) == "xy"
+        started.clear()
+        release.clear()
+        monkeypatch.setattr(async_engine, "GRAMMAR_COMPILE_TIMEOUT_S", 0.3)
+        threading.Timer(1.0, release.set).start()  # the abandoned compile ends (asyncio.run waits for it)
+        with pytest.raises(GrammarError, match="did not compile within"):
+            asyncio.run(last("t", SamplingParams(max_tokens=4, structured_outputs=SO(regex="zz"))))
+        assert aeng.num_requests == 0
+    finally:
+        release.set()
+        aeng.shutdown()
