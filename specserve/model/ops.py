@@ -88,7 +88,7 @@ def make_ops(device: torch.device, dtype: torch.dtype, attention_backend: str) -
 
 def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[Any, ...] | None:
     """The matmul weights as ``decoder_layer`` takes them, or None where the layer cannot run as one call
-    (a float weight, chunked norms, a head_dim the attention kernel does not take). Worked out once per
+    (a float weight, chunked norms, q/k norms, a head_dim the attention kernel does not take). Worked out once per
     layer and kept on it; the identity check notices weights that were loaded again."""
     from specserve.model.quant import CpuQuantWeight
 
@@ -97,7 +97,7 @@ def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[Any, ..
     if cached is not None and cached[0] is a.qkv:
         return cached[1]
     mats: tuple[Any, ...] = (a.qkv, a.o, mlp.gate_up, mlp.down)
-    ok = (all(isinstance(w, CpuQuantWeight) for w in mats) and layer.input_norm.chunks == 1
+    ok = (all(isinstance(w, CpuQuantWeight) for w in mats) and a.q_norm is None and layer.input_norm.chunks == 1
           and layer.post_norm.chunks == 1 and kv_cache.shape[-1] % 8 == 0 and kv_cache.dtype == torch.float32
           and layer.input_norm.eps == layer.post_norm.eps)
     weights = None
