@@ -157,6 +157,8 @@ def test_round_trip(client, stream):
     first = _chat(c, stream, messages=messages, tools=[WEATHER, TIME],
                   tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80)
     assert first["finish_reason"] == "tool_calls" and first["content"] is None
+    if stream:  # a named choice streams its arguments in pieces
+        assert first["pieces"] > 1
     (call,) = first["tool_calls"]
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     _tool_args(call)
@@ -212,15 +214,23 @@ def _chat(c: openai.OpenAI, stream: bool, **kw) -> dict:
         r = c.chat.completions.create(model=model, temperature=0, **kw)
         ch = r.choices[0]
         return {"content": ch.message.content, "tool_calls": ch.message.tool_calls, "finish_reason": ch.finish_reason}
-    content, calls, finish = "", [], None
+    content, calls, finish, pieces = "", {}, None, 0
     for chunk in c.chat.completions.create(model=model, temperature=0, stream=True, **kw):
         if not chunk.choices:
             continue
         d = chunk.choices[0].delta
         content += d.content or ""
-        calls += d.tool_calls or []
+        for t in d.tool_calls or []:  # OpenAI's shape: id and name first, then pieces of the arguments
+            pieces += 1
+            if t.index not in calls:
+                assert t.id and t.function.name
+                calls[t.index] = t
+            else:
+                assert t.id is None and not t.function.name
+                calls[t.index].function.arguments += t.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    return {"content": content or None, "tool_calls": calls or None, "finish_reason": finish}
+    return {"content": content or None, "tool_calls": list(calls.values()) or None, "finish_reason": finish,
+            "pieces": pieces}
 
 
 # -- the demo model --------------------------------------------------------------------------------------------

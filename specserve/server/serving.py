@@ -241,10 +241,21 @@ async def chat_chunks(run: Run) -> AsyncGenerator[dict[str, Any], None]:
 
 def _tool_deltas(plan: ToolPlan, comp: CompletionOutput, released: int, sent: dict[int, int]
                  ) -> tuple[list[dict[str, Any]], int]:
-    """Deltas for a choice of a request with tools, and its number of tool calls: content that cannot be a
+    """Deltas for a choice of a request with tools, and its number of tool calls so far. A named tool choice
+    streams the call's arguments as they come (the output is them); otherwise content that cannot be a
     tool call yet (``sent``: characters streamed per choice), and at the end the rest of the content and
     one ``tool_calls`` entry per call."""
     done = sent.get(comp.index, 0)
+    if plan.mode == "named":  # the output is the call's arguments: stream them as they come
+        text = comp.text if comp.finished else comp.text[:released]
+        sent[comp.index] = max(done, len(text))
+        if len(text) <= done:
+            return [], int(done > 0)
+        piece: dict[str, Any] = {"index": 0, "function": {"arguments": text[done:]}}
+        if not done:
+            piece = {"index": 0, "id": plan.call_id(comp.index), "type": "function",
+                     "function": {"name": plan.named, "arguments": text}}
+        return [{"tool_calls": [piece]}], 1
     if not comp.finished:
         content = plan.stream_content(comp.text[:released])
         sent[comp.index] = max(done, len(content))

@@ -12,9 +12,10 @@ enforced by a grammar, the model's text parsed into ``message.tool_calls``.
   when ``parallel_tool_calls`` is false), each ``parameters`` valid under its function's schema.
 - a named function: the grammar forces that function's arguments object.
 
-A parsed output ends with ``finish_reason: "tool_calls"``. Streaming sends the text before a call as content
-deltas and each call as one ``delta.tool_calls`` entry (id, name and the whole arguments string) when the
-choice ends.
+A parsed output ends with ``finish_reason: "tool_calls"``. Streaming a named choice sends the call's id and
+name with the first piece of its arguments, then the rest of the arguments as they come; otherwise the text
+before a call streams as content deltas and each call is one ``delta.tool_calls`` entry (id, name and the
+whole arguments string) when the choice ends.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class ToolPlan:
     parser: str = "hermes"
     named: str | None = None
     parallel: bool = True
+    _ids: dict[int, str] = field(default_factory=dict)
+
+    def call_id(self, choice: int) -> str:
+        """The id of a named choice's call in choice ``choice`` (the same in every chunk)."""
+        return self._ids.setdefault(choice, f"call_{uuid.uuid4().hex[:24]}")
 
     @property
     def active(self) -> bool:
