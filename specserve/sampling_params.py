@@ -82,7 +82,7 @@ class StructuredOutputsParams:
             k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
 
     def key(self) -> str:
-        """A canonical text of the constraint (the compile cache's key)."""
+        """A canonical text of the constraint (its size is what ``MAX_GRAMMAR_CHARS`` caps)."""
         value: Any = getattr(self, self.kind)
         if self.kind == "json" and isinstance(value, dict):
             value = json.dumps(value, sort_keys=True, separators=(",", ":"))

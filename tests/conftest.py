@@ -65,6 +65,24 @@ def server_engine():
                                            speculative_adaptive=False, max_model_len=1024))
 
 
+@pytest.fixture(scope="module")
+def server(server_engine, start_server):
+    """The demo-model app over ``server_engine``, one per test module (a module may define its own)."""
+    from specserve.server.api import create_app
+
+    srv = start_server(create_app(server_engine))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on ``server``."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
 @pytest.fixture(scope="session")
 def start_server():
     """Factory: ``start_server(app) -> UvicornThread``; anything still running is stopped at session end."""

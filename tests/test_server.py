@@ -13,25 +13,11 @@ import httpx
 import openai
 import pytest
 
-from specserve.server.api import create_app
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODEL = "SmolLM2-135M-Instruct"
 # Repetitive: the n-gram proposer finds matches, so drafts are proposed (and some accepted).
 REPEAT_PROMPT = "one two three four five, one two three four five, one two three four five, one two"
-
-
-@pytest.fixture(scope="module")
-def server(server_engine, start_server):
-    srv = start_server(create_app(server_engine))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _complete(client: openai.OpenAI, prompt, **kw):

@@ -10,11 +10,8 @@ import re
 from typing import Literal
 
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
-
-from specserve.server.api import create_app
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -157,18 +154,6 @@ CASES: list[tuple[type[BaseModel], str]] = [
     (Team, "Carol, 40, leads a team of 6."),
     (Translation, "'cat' in French is 'chat'."),
 ]
-
-
-@pytest.fixture(scope="module")
-def server(server_engine, start_server):
-    srv = start_server(create_app(server_engine))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def _messages(text: str, model: type[BaseModel]) -> list[dict[str, str]]:

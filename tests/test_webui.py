@@ -80,15 +80,6 @@ def test_spec_pieces_match_streamed_text(demo_tokenizer, hold, run_len, stop):
 
 
 # -- the real server ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(server_engine, start_server):
-    from specserve.server.api import create_app
-
-    srv = start_server(create_app(server_engine))
-    yield srv
-    srv.stop()
-
-
 def _stream_events(url: str, path: str, body: dict) -> list[dict]:
     events = []
     with httpx.Client(timeout=120) as http, http.stream("POST", url + path, json=body) as r:

@@ -1,8 +1,8 @@
 """Structured outputs: grammars compiled by xgrammar, one matcher per request, a token mask per logits row.
 
 - ``GrammarCompiler`` (one per engine) turns a ``StructuredOutputsParams`` (JSON schema, any JSON object,
-  regex, choice list, EBNF) into a compiled grammar; compiled grammars are cached per constraint, so a
-  repeated schema costs a dictionary lookup. A bad constraint is a ``ValueError`` carrying the compiler's
+  regex, choice list, EBNF) into a compiled grammar; xgrammar's compile cache makes a repeated
+  constraint cost a lookup. A bad constraint is a ``ValueError`` carrying the compiler's
   message (a 400 for the server). Compiling happens off the engine loop in the server (``AsyncEngine``).
 - ``GrammarState`` (one per request, in the worker) holds the matcher. The rows of a verification step are
   masked as speculation requires: row j by the grammar state after drafts 0..j-1 (accepted tentatively,
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -34,26 +33,27 @@ class GrammarError(ValueError):
 
 
 def _xgr():  # type: ignore[no-untyped-def]
-    try:
-        import xgrammar
-    except ImportError as e:  # pragma: no cover - a dependency of the package
-        raise GrammarError("structured outputs need the xgrammar package (pip install xgrammar)") from e
+    import xgrammar  # a dependency; imported on first use so that start-up without grammars skips it
+
     return xgrammar
 
 
-class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary size; thread-safe; caches per constraint."""
+# xgrammar's own compile cache (per compile call and arguments), bounded in bytes.
+_CACHE_BYTES = 256 << 20
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256,
-                 max_threads: int = 2) -> None:
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary size; thread-safe; repeated constraints come from
+    xgrammar's compile cache."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2
+                 ) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._max_threads = max_threads
         self._compiler: Any = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._cache_size = cache_size
 
     def _get_compiler(self) -> Any:
         """Built on first use (reading the vocabulary takes a fraction of a second)."""
@@ -62,24 +62,11 @@ class GrammarCompiler:
                 xgr = _xgr()
                 info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self._stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=True,
+                                                     cache_limit_bytes=_CACHE_BYTES)
             return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        key = params.key()
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        compiled = self._compile(params)
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return compiled
-
-    def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
         kind = params.kind
         try:
@@ -126,10 +113,6 @@ class GrammarState:
     def __init__(self, compiled: Any) -> None:
         xgr = _xgr()
         self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
-
-    @property
-    def terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
 
     def fill_rows(self, bitmask: torch.Tensor, first: int, drafts: list[int]) -> None:
         """Rows first .. first + len(drafts) of ``bitmask``: row j allows what the grammar allows after
