@@ -124,7 +124,7 @@ class Engine:
         return request_id
 
     def compile_grammar(self, params: SamplingParams) -> Any:
-        """The compiled grammar of ``params.structured_outputs`` (cached per constraint; thread-safe, so the
+        """The compiled grammar of ``params.structured_outputs`` (xgrammar caches repeated constraints; thread-safe, so the
         server compiles off the engine loop). Raises ValueError naming what is wrong."""
         assert params.structured_outputs is not None
         return self.grammars.compile(params.structured_outputs)
