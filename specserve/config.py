@@ -34,9 +34,10 @@ class CheckpointError(SpecserveError):
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Architecture hyper-parameters of a Llama-family decoder (Llama, Qwen2, Qwen3, Mistral)."""
+    """Architecture hyper-parameters of a decoder-only transformer. The families (``model/families/``) map
+    their checkpoints' configs onto these fields; the layer (``model/llama.py``) is built from them."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral"
+    architecture: str  # the family's name: "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" | "qwen3_moe" | ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,10 +51,23 @@ class ModelArch:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
-    sliding_window: int | None = None  # Mistral; informational (we attend to the full context)
+    sliding_window: int | None = None  # keys a sliding layer sees: positions (i - window, i]
+    # Per layer: True = sliding-window attention; () with a window = every layer slides (Mistral).
+    sliding_layers: tuple[bool, ...] = ()
+    rope_local_theta: float | None = None  # sliding layers' rope base, without scaling (Gemma 3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # gated MLP activation: "silu" | "gelu_tanh" (GeGLU, Gemma)
+    sandwich_norms: bool = False  # RMSNorm after attention and after the MLP too (Gemma 3)
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # Mixture of experts: num_experts > 0 makes every layer not in dense_layers a sparse MoE block.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -64,6 +78,22 @@ class ModelArch:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise CheckpointError(f"invalid {name}={getattr(self, name)} in model config")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise CheckpointError(f"unsupported hidden activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise CheckpointError(f"invalid num_experts_per_tok={self.num_experts_per_tok} for "
+                                  f"{self.num_experts} experts")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (0-based), or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if not self.sliding_layers:
+            return self.sliding_window
+        return self.sliding_window if self.sliding_layers[layer] else None
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def with_layers(self, num_layers: int) -> ModelArch:
         return replace(self, num_layers=num_layers)

@@ -45,6 +45,12 @@ class Platform:
         return "triton" if _triton_available() else None
 
     @property
+    def moe_kernel(self) -> str:
+        """The sparse-MoE experts' kernel (model/moe.py): "triton" (grouped kernels, capturable) with the
+        Triton attention backend, else "torch" (a matmul per active expert)."""
+        return "triton" if self.attention_backend == "triton" else "torch"
+
+    @property
     def can_capture_graphs(self) -> bool:
         """Graph capture needs the platform's support and a capturable attention backend (Triton; the torch
         reference plans its gathers from host lists and syncs, so it cannot be captured)."""

@@ -16,14 +16,24 @@ def tiny_hf_model(family: str = "llama", seed: int = 0, layers: int = 2, vocab: 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rms_norm_eps=1e-6,
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    if family == "qwen3":
-        common["head_dim"] = 16  # Qwen3Config's default is 128, not hidden / heads
+    if family in ("qwen3", "qwen3_moe", "gemma3"):
+        common["head_dim"] = 16  # their configs' default is 128 or 256, not hidden / heads
+    if family == "gemma3":  # a window of 16 so sliding layers matter at test lengths; the last layer global
+        common |= dict(sliding_window=16, query_pre_attn_scalar=24, pad_token_id=0, tie_word_embeddings=True,
+                       layer_types=["sliding_attention"] * max(layers - 1, 1) + ["full_attention"] * (layers > 1))
+    if family in ("qwen3_moe", "mixtral"):  # 8 experts, 2 per token; Qwen3-MoE renormalises as its releases do
+        common |= dict(num_experts_per_tok=2, router_jitter_noise=0.0)
+        common |= dict(num_experts=8, moe_intermediate_size=48, norm_topk_prob=True) if family == "qwen3_moe" \
+            else dict(num_local_experts=8, intermediate_size=48)
     common.update(over)
     cfg_cls, model_cls = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
     }[family]
     model = model_cls(cfg_cls(**common)).eval()
     # Random init of biases/norms so they matter in parity checks.

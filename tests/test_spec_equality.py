@@ -38,8 +38,10 @@ METHODS = ("ngram", "layer_skip", "draft", "draft+lookup")
 K_VALUES = (1, 3, 5, 8)
 MAX_TOKENS = 32
 NEAR_TIE = 1e-4
-# the main matrix on Llama, preemption on Qwen2 (q/k/v biases), Qwen3 (q/k norms) at batch 1 and 8
-TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+# the main matrix on Llama, preemption on Qwen2 (q/k/v biases); every other family (q/k norms, sliding windows,
+# sandwich norms, experts) with each proposer at batch 1 and 8
+OTHER_FAMILIES = ("qwen3", "gemma3", "qwen3_moe", "mixtral")
+TINY_FAMILIES = ("llama", "qwen2", *OTHER_FAMILIES)
 PREEMPT_BLOCKS = 16  # 16 blocks x 16 tokens: one request always fits, eight never do
 
 # (method, k, batch size): every method x every k at batch 8, every method at batch 1 and 32 (k = 3).
@@ -77,8 +79,9 @@ def make_target(family: str, seed: int):
     model = tiny_hf_model(family, seed=seed, layers=3, vocab=256, initializer_range=0.05)
     with torch.no_grad():
         for layer in model.model.layers[1:]:
-            layer.self_attn.o_proj.weight.mul_(0.1)
-            layer.mlp.down_proj.weight.mul_(0.1)
+            for name, p in layer.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                    p.mul_(0.1)
     return model
 
 
@@ -287,12 +290,13 @@ def test_greedy_equal_under_preemption(tiny, method, k):
     assert spec.metrics["kv_free_blocks"] == PREEMPT_BLOCKS  # every block came back
 
 
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
 @pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft"])
 @pytest.mark.parametrize("bs", [1, 8])
-def test_greedy_equal_qwen3(tiny, method, bs):
-    ref = run(tiny, "qwen3", bs)
-    spec = run(tiny, "qwen3", bs, method, 4)
-    assert_same(f"qwen3 {method} k=4 batch={bs}", PROMPTS, ref.token_ids, spec.token_ids,
+def test_greedy_equal_families(tiny, family, method, bs):
+    ref = run(tiny, family, bs)
+    spec = run(tiny, family, bs, method, 4)
+    assert_same(f"{family} {method} k=4 batch={bs}", PROMPTS, ref.token_ids, spec.token_ids,
                 ref.llm.engine.runner.model)
     assert_speculated(spec.metrics)
 

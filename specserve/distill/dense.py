@@ -25,6 +25,8 @@ def qkv(attn: Attention, x: torch.Tensor, rope: RotaryEmbedding, positions: torc
     q, k, v = out.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     q = q.view(*shape, attn.num_heads, attn.head_dim)
     k = k.view(*shape, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
     v = v.view(*shape, attn.num_kv_heads, attn.head_dim)
     q, k = rope(positions, q, k)  # cos/sin [S, 1, D] broadcast over the batch
     group = attn.num_heads // attn.num_kv_heads
@@ -33,17 +35,23 @@ def qkv(attn: Attention, x: torch.Tensor, rope: RotaryEmbedding, positions: torc
 
 
 def attention(attn: Attention, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor) -> torch.Tensor:
-    """x: [B, S, hidden], positions: [S] -> [B, S, hidden] (causal)."""
+    """x: [B, S, hidden], positions: [S] -> [B, S, hidden] (causal, within the layer's sliding window)."""
     b, s, _ = x.shape
     q, k, v = qkv(attn, x, rope, positions)  # [B, heads, S, D]
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)
+    if attn.window is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)
+    else:
+        gap = positions[:, None] - positions[None, :]  # query - key
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=(gap >= 0) & (gap < attn.window), scale=attn.scale)
     return F.linear(o.transpose(1, 2).reshape(b, s, attn.q_size), attn.o)
 
 
 def layer_forward(layer: DecoderLayer, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
                   input_norm: bool = True) -> torch.Tensor:
-    h = x + attention(layer.attn, layer.input_norm(x) if input_norm else x, rope, positions)
-    return h + layer.mlp(layer.post_norm(h))
+    a = attention(layer.attn, layer.input_norm(x) if input_norm else x, rope, positions)
+    h = x + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))
+    m = layer.mlp(layer.post_norm(h).flatten(0, -2)).view_as(h)
+    return h + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
 
 
 def model_features(model: LlamaModel, ids: torch.Tensor, num_layers: int | None = None,
@@ -51,10 +59,10 @@ def model_features(model: LlamaModel, ids: torch.Tensor, num_layers: int | None 
     """ids [B, S] -> the last (or ``num_layers``-th) layer's output before the final norm [B, S, hidden]; with
     ``taps``, the outputs of those layers (1-based) concatenated [B, S, len(taps) * hidden]."""
     positions = torch.arange(ids.shape[1], device=ids.device)
-    h = F.embedding(ids, model.embed)
+    h = model.embed_tokens(ids)
     kept = []
-    for i, layer in enumerate(list(model.layers)[:num_layers], start=1):
-        h = layer_forward(cast(DecoderLayer, layer), h, model.rope, positions)
+    for i, (layer, rope) in enumerate(zip(list(model.layers)[:num_layers], model.layer_ropes), start=1):
+        h = layer_forward(cast(DecoderLayer, layer), h, rope, positions)
         if taps and i in taps:
             kept.append(h)
     return torch.cat(kept, dim=-1) if taps else h

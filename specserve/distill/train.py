@@ -163,7 +163,7 @@ class HeadTask:
         return self.head
 
     def loss(self, b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        embeds = F.embedding(b.ids, self.target.embed).float()  # [B, S, H], frozen
+        embeds = self.target.embed_tokens(b.ids).float()  # [B, S, H], frozen
         inputs = dense.shift_features(b.features)
         pred = dense.head_forward(self.head, embeds, inputs)  # [B, S, H]
         p1 = pred[b.rows, b.pos]  # [N, H]

@@ -3,8 +3,9 @@
 A step's batch is a flat list of new tokens from several requests. Request ``r`` owns the new tokens
 ``query_start_loc[r] : query_start_loc[r + 1]``; they sit at the *end* of its context of ``seq_lens[r]``
 tokens, so new token ``i`` of request ``r`` has position ``seq_lens[r] - query_len[r] + i`` and attends to
-keys ``0 .. that position`` (causal inside the new tokens). The same metadata covers prefill chunks,
-single decode tokens and k+1 verification tokens, in any mix.
+keys ``0 .. that position`` (causal inside the new tokens), or with a sliding ``window`` (an argument of
+``attend``, per layer) to the last ``window`` of them: keys ``position - window + 1 .. position``. The same
+metadata covers prefill chunks, single decode tokens and k+1 verification tokens, in any mix.
 
 KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V).
 Token at position ``p`` of request ``r`` lives in block ``block_tables[r, p // block_size]`` at offset
@@ -56,7 +57,8 @@ class TorchAttention:
     """Reference backend (the CPU path and the oracle for the Triton kernels).
 
     Query rows go in aligned groups of 8 (see ``_GROUP``), one SDPA call per key-length bucket; gather
-    indices and masks are planned once per forward and shared by all layers.
+    indices and masks are planned once per forward and window (``meta.plan``: window -> plans) and shared by
+    all layers. A window only narrows the mask: the call shapes, hence a row's rounding, stay the same.
     """
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -66,15 +68,18 @@ class TorchAttention:
         kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
         kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
-    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> out: same shape
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = kv_cache.shape[3]
         per_kv = num_heads // num_kv_heads
-        plans = meta.plan
-        if not isinstance(plans, list):
-            plans = meta.plan = _make_plan(meta, kv_cache.shape[2], per_kv)
+        if not isinstance(meta.plan, dict):
+            meta.plan = {}
+        window = window or None
+        plans = meta.plan.get(window)
+        if plans is None:
+            plans = meta.plan[window] = _make_plan(meta, kv_cache.shape[2], per_kv, window)
         out = torch.empty_like(query)
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -110,7 +115,7 @@ def _key_slots(table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tens
     return blocks * block_size + pos % block_size
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, per_kv: int) -> list[_GroupPlan]:
+def _make_plan(meta: AttentionMetadata, block_size: int, per_kv: int, window: int | None) -> list[_GroupPlan]:
     """One _GroupPlan per key-length bucket, over every request's groups of new tokens."""
     buckets: dict[int, list[tuple[int, int]]] = {}  # key length -> (request, group)
     for r, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
@@ -120,11 +125,11 @@ def _make_plan(meta: AttentionMetadata, block_size: int, per_kv: int) -> list[_G
     starts = [0]
     for q_len in meta.query_lens_host:
         starts.append(starts[-1] + q_len)
-    return [_group_plan(meta, starts, groups, keys, block_size, per_kv) for keys, groups in buckets.items()]
+    return [_group_plan(meta, starts, groups, keys, block_size, per_kv, window) for keys, groups in buckets.items()]
 
 
 def _group_plan(meta: AttentionMetadata, req_starts: list[int], groups: list[tuple[int, int]], keys: int,
-                block_size: int, per_kv: int) -> _GroupPlan:
+                block_size: int, per_kv: int, window: int | None) -> _GroupPlan:
     device = meta.block_tables.device
     reqs = [r for r, _ in groups]
     starts = [req_starts[r] for r in reqs]  # flat index of each group's request's new token 0
@@ -137,7 +142,10 @@ def _group_plan(meta: AttentionMetadata, req_starts: list[int], groups: list[tup
     kpos = torch.arange(keys, device=device)
     slots = _key_slots(meta.block_tables[to_t(reqs)], keys, block_size)
     slots = torch.where(kpos[None, :] < to_t(last)[:, None], slots, torch.zeros_like(slots))
-    mask = (kpos[None, None, :] <= pos[:, :, None]).repeat(1, per_kv, 1)[:, None]  # [n, 1, per_kv * G, S]
+    mask = kpos[None, None, :] <= pos[:, :, None]  # [n, G, S]
+    if window is not None:
+        mask &= kpos[None, None, :] > pos[:, :, None] - window
+    mask = mask.repeat(1, per_kv, 1)[:, None]  # [n, 1, per_kv * G, S]
     return _GroupPlan(tok, valid, slots, mask, tok[valid])
 
 
@@ -147,13 +155,13 @@ class CpuKernelAttention(TorchAttention):
     output is the same in any batch; fp32 or bf16 caches, head_dim a multiple of 8 (others: the reference).
     ``TorchAttention`` is its reference."""
 
-    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> out: same shape
         if query.shape[-1] % 8:
-            return super().attend(query, kv_cache, meta, scale)
+            return super().attend(query, kv_cache, meta, scale, window)
         return torch.ops.specserve_cpu.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc,
-                                                       meta.seq_lens, scale)
+                                                       meta.seq_lens, scale, window or 0)
 
 
 def make_backend(name: str) -> AttentionBackend:

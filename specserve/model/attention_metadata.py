@@ -35,8 +35,11 @@ class AttentionBackend(Protocol):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None: ...
 
-    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor: ...
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:
+        """Attention of each new token over its keys; with ``window``, a token at position ``i`` sees only keys
+        ``i - window < j <= i`` (sliding window; None: full causal attention)."""
+        ...
 
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

@@ -85,12 +85,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act is SiLU (SwiGLU) or the tanh
+    approximation of GELU (GeGLU)."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device,
-                 linear: Linear = F.linear) -> None:
+                 linear: Linear = F.linear, act: str = "silu") -> None:
         super().__init__()
-        self.inter, self.linear = inter, linear
+        self.inter, self.linear, self.act = inter, linear, act
         self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden, dtype=dtype, device=device),
                                     requires_grad=False)
         self.down = nn.Parameter(torch.empty(hidden, inter, dtype=dtype, device=device), requires_grad=False)
@@ -98,4 +99,5 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.linear(x, self.gate_up)  # [T, 2 * inter]
         gate, up = gu.split(self.inter, dim=-1)
-        return self.linear(F.silu(gate) * up, self.down)
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.linear(gate * up, self.down)

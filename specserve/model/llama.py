@@ -1,8 +1,9 @@
-"""Llama / Qwen2 / Qwen3 / Mistral decoder over a flat token batch with a paged KV cache.
+"""The decoder over a flat token batch with a paged KV cache, shared by every family (``model/families/``).
 
-The families share one graph: Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm of q and k before rope;
-Mistral's sliding window is not applied (we attend over the full context, which is exact for contexts
-shorter than the window).
+One graph, composed from ``ModelArch``: Llama's pre-norm layer; q/k/v biases (Qwen2); per-head q/k RMSNorm
+before rope (Qwen3, Gemma 3); sliding-window layers with their own rope base (Mistral, Gemma 3); norms after
+attention and after the MLP as well (Gemma 3's sandwich); a SiLU or GeGLU gated MLP, or a sparse
+mixture-of-experts block (Qwen3-MoE, Mixtral); scaled embeddings (Gemma).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from torch import nn
 
 from specserve.config import CheckpointError, ModelArch
 from specserve.model.attention import AttentionBackend, AttentionMetadata
+from specserve.model.families import family
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from specserve.model.moe import SparseMoE
 from specserve.model.ops import TorchOps
 from specserve.model.quant import PackedWeight, QuantizedTensor, cat_rows
 
@@ -38,7 +41,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.scale = arch.head_dim ** -0.5
+        self.scale = arch.attn_scale if arch.attn_scale is not None else arch.head_dim ** -0.5
+        self.window: int | None = None  # this layer's sliding window (set by DecoderLayer)
         self.qkv = _param(self.q_size + 2 * self.kv_size, arch.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) \
             if arch.attention_bias else None
@@ -56,34 +60,57 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, self.q_size),
                              self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, self.kv_size), v], dim=-1)
         q = ops.qkv_rope_write(qkv, positions, rope, self.num_heads, self.num_kv_heads, kv_cache, meta, backend)
-        o = backend.attend(q, kv_cache, meta, self.scale)  # [T, H, D]
+        o = backend.attend(q, kv_cache, meta, self.scale, self.window)  # [T, H, D]
         return self.linear(o.reshape(t, self.q_size), self.o)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, linear: Linear = F.linear) -> None:
+    """Layer ``index`` of ``arch``. ``post_norm`` is the norm before the MLP (HF's post_attention_layernorm in
+    Llama, pre_feedforward_layernorm in Gemma 3); with sandwich norms ``attn_out_norm`` and ``mlp_out_norm``
+    normalise the two sublayers' outputs before they join the residual stream."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, linear: Linear = F.linear,
+                 index: int = 0, moe_kernel: str = "torch", float_linear: Linear = F.linear) -> None:
         super().__init__()
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.attn = Attention(arch, dtype, device, linear)
+        self.attn.window = arch.window(index)
         self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype, device, linear)
+        self.mlp: GatedMLP | SparseMoE
+        if arch.is_moe(index):  # experts stay float: ``float_linear`` even where ``linear`` takes packed weights
+            self.mlp = SparseMoE(arch.hidden_size, arch.moe_intermediate_size, arch.num_experts,
+                                 arch.num_experts_per_tok, arch.norm_topk_prob, dtype, device, moe_kernel,
+                                 float_linear)
+        else:
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype, device, linear, arch.hidden_act)
+        self.attn_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device) \
+            if arch.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device) \
+            if arch.sandwich_norms else None
 
 
 class LlamaModel(nn.Module):
     """``forward(input_ids, positions, kv_caches, meta) -> hidden`` over flat tokens; logits on request."""
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-                 max_positions: int, linear: Linear = F.linear, ops: TorchOps = _TORCH_OPS) -> None:
+                 max_positions: int, linear: Linear = F.linear, ops: TorchOps = _TORCH_OPS, moe_kernel: str = "torch",
+                 float_linear: Linear = F.linear) -> None:
         super().__init__()
         self.arch, self.dtype, self.device, self.backend, self.linear = arch, dtype, device, backend, linear
         self.ops = ops  # model/ops.py: residual + norm, rope + KV write (fused on CPU in fp32)
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, linear) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, linear, i, moe_kernel, float_linear)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.lm_head = self.embed if arch.tie_word_embeddings else \
             _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
-        self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling,
-                                    torch.float32 if dtype == torch.float32 else dtype, device)
+        rope_dtype = torch.float32 if dtype == torch.float32 else dtype
+        self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, rope_dtype,
+                                    device)
+        # Sliding layers may rotate with their own base and no scaling (Gemma 3's local layers).
+        local = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_local_theta, None, rope_dtype, device) \
+            if arch.rope_local_theta is not None else self.rope
+        self.layer_ropes = [local if arch.window(i) is not None else self.rope for i in range(arch.num_layers)]
         # The layers (1-based) whose outputs ``return_prenorm`` concatenates (an EAGLE-3-style head's
         # feature); None: the last layer only.
         self.feature_layers: tuple[int, ...] | None = None
@@ -103,13 +130,13 @@ class LlamaModel(nn.Module):
         (the features an EAGLE head reads): ``(normed, prenorm)``, [T, hidden] and [T, n * hidden] with the
         outputs of ``self.feature_layers`` (n of them) concatenated.
         """
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        h = self.embed_tokens(input_ids)  # [T, hidden]
         layers = self.decoder_layers if num_layers is None else self.decoder_layers[:num_layers]
         taps = self.feature_layers if return_prenorm and self.feature_layers else ()
         kept: list[torch.Tensor] = []
         ops, delta = self.ops, None  # delta: the last sublayer's output, added to h by the next add_norm
-        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches), start=1):
-            h, delta = ops.layer(layer, h, delta, positions, self.rope, kv_cache, meta, self.backend)
+        for i, (layer, rope, kv_cache) in enumerate(zip(layers, self.layer_ropes, kv_caches), start=1):
+            h, delta = ops.layer(layer, h, delta, positions, rope, kv_cache, meta, self.backend)
             if i in taps:
                 kept.append(h + delta)
         if delta is not None:
@@ -117,6 +144,13 @@ class LlamaModel(nn.Module):
         if not return_prenorm:
             return self.norm(h)
         return self.norm(h), (torch.cat(kept, dim=-1) if taps else h)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]: the (scaled) token embeddings, the first layer's input."""
+        h = F.embedding(input_ids, self.embed)
+        if self.arch.embed_scale != 1.0:  # the scale rounded to the model's dtype first, as HF's Gemma does
+            h = h * torch.tensor(self.arch.embed_scale, dtype=h.dtype)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -170,6 +204,7 @@ class LlamaModel(nn.Module):
                 head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
                 put(self, "lm_head", head, matmul=True)
             put(self.norm, "weight", "model.norm.weight")
+            moe = family(self.arch.architecture).moe
             for i, layer in enumerate(self.decoder_layers):
                 p = f"model.layers.{i}."
                 a = p + "self_attn."
@@ -180,10 +215,28 @@ class LlamaModel(nn.Module):
                 if layer.attn.q_norm is not None and layer.attn.k_norm is not None:
                     put(layer.attn.q_norm, "weight", a + "q_norm.weight")
                     put(layer.attn.k_norm, "weight", a + "k_norm.weight")
-                put(layer.mlp, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", matmul=True)
-                put(layer.mlp, "down", p + "mlp.down_proj.weight", matmul=True)
+                if isinstance(layer.mlp, GatedMLP):
+                    put(layer.mlp, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", matmul=True)
+                    put(layer.mlp, "down", p + "mlp.down_proj.weight", matmul=True)
+                else:  # sparse MoE: experts stacked [E, rows, cols], float (not packed)
+                    assert moe is not None
+                    experts = range(self.arch.num_experts)
+                    layer.mlp.gate.copy_(_float(get(p + moe.router)))
+                    layer.mlp.gate_up.copy_(torch.stack([torch.cat([_float(get(p + moe.gate.format(e=e))),
+                                                                    _float(get(p + moe.up.format(e=e)))])
+                                                         for e in experts]))
+                    layer.mlp.down.copy_(torch.stack([_float(get(p + moe.down.format(e=e))) for e in experts]))
                 put(layer.input_norm, "weight", p + "input_layernorm.weight")
-                put(layer.post_norm, "weight", p + "post_attention_layernorm.weight")
+                if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
+                    put(layer.attn_out_norm, "weight", p + "post_attention_layernorm.weight")
+                    put(layer.post_norm, "weight", p + "pre_feedforward_layernorm.weight")
+                    put(layer.mlp_out_norm, "weight", p + "post_feedforward_layernorm.weight")
+                else:
+                    put(layer.post_norm, "weight", p + "post_attention_layernorm.weight")
+
+
+def _float(t: Any) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, QuantizedTensor) else t
 
 
 def _float_as(t: torch.Tensor, parts: list[Any]) -> QuantizedTensor:

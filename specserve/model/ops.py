@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specserve.model.layers import RMSNorm, RotaryEmbedding
+from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 if TYPE_CHECKING:
     from specserve.model.attention import AttentionBackend, AttentionMetadata
@@ -27,8 +27,11 @@ class TorchOps:
         """One decoder layer: (h + delta, the layer's output), which the next layer adds (deferred residual)."""
         h, x = self.add_norm(h, delta, layer.input_norm)
         delta = layer.attn(x, positions, rope, kv_cache, meta, backend, self)
+        if layer.attn_out_norm is not None:
+            delta = layer.attn_out_norm(delta)
         h, x = self.add_norm(h, delta, layer.post_norm)
-        return h, layer.mlp(x)
+        out = layer.mlp(x)
+        return h, out if layer.mlp_out_norm is None else layer.mlp_out_norm(out)
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +62,7 @@ class CpuFusedOps(TorchOps):
         return torch.ops.specserve_cpu.decoder_layer(
             h, delta, layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps, *weights, positions,
             rope.cos, rope.sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            a.num_heads, a.num_kv_heads, a.scale)
+            a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0)
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +101,7 @@ def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[Any, ..
         return cached[1]
     mats: tuple[Any, ...] = (a.qkv, a.o, mlp.gate_up, mlp.down)
     ok = (all(isinstance(w, CpuQuantWeight) for w in mats) and a.q_norm is None and layer.input_norm.chunks == 1
+          and layer.attn_out_norm is None and isinstance(mlp, GatedMLP) and mlp.act == "silu"
           and layer.post_norm.chunks == 1 and kv_cache.shape[-1] % 8 == 0 and kv_cache.dtype == torch.float32
           and layer.input_norm.eps == layer.post_norm.eps)
     weights = None

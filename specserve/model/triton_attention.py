@@ -2,16 +2,18 @@
 
 Same contract as ``TorchAttention`` in ``attention.py`` (the reference these kernels are tested against):
 request ``r`` owns new tokens ``query_start_loc[r] : query_start_loc[r + 1]``, new token ``i`` sits at
-position ``seq_lens[r] - query_len[r] + i`` and attends to keys ``0 .. that position``. One launch covers
-prefill chunks, single decode tokens and k+1 verification tokens in any mix.
+position ``seq_lens[r] - query_len[r] + i`` and attends to keys ``0 .. that position`` (with a sliding
+``window``: the last ``window`` of them). One launch covers prefill chunks, single decode tokens and k+1
+verification tokens in any mix.
 
 Kernel design (flash-attention 2 style online softmax, Dao 2023, arXiv 2307.08691):
 - grid ``(num_reqs, cdiv(max_query_len, BLOCK_M), num_kv_heads)``; a program owns ``BLOCK_M`` new tokens of
   one request and *all* query heads of one KV head's GQA group, folded into the rows of one tile
   (``BLOCK_M * GROUP_PAD`` rows), so K/V are read once per group and a decode step still feeds ``tl.dot``
   at least 16 rows.
-- it walks the request's keys ``BLOCK_N`` at a time up to the causal limit of its last token, gathering
-  each key's page through the block table (any page size), with fp32 running max / sum / accumulator.
+- it walks the request's keys ``BLOCK_N`` at a time, from the first key its first token sees (0 without a
+  window) up to the causal limit of its last token, gathering each key's page through the block table (any
+  page size), with fp32 running max / sum / accumulator.
 - plain ``tl.*`` only (no vendor intrinsics), so the same source compiles for NVIDIA and AMD GPUs; on CPU the
   tests run it under ``TRITON_INTERPRET=1``.
 """
@@ -70,6 +72,7 @@ def _paged_attention_kernel(
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h, stride_c_d,
     stride_bt_r, stride_bt_b,
     head_dim,
+    window,  # sliding window (a row at q_pos sees keys q_pos - window < k_pos <= q_pos); 0: none
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
 ):
@@ -101,21 +104,24 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, D_PAD], dtype=tl.float32)
 
-    # Keys visible to the tile's last real token: positions 0 .. kv_end - 1.
+    # Keys the tile reads: kv_lo .. kv_end - 1, from the first key its first token sees (0 without a window)
+    # to its last real token's position; each row then masks the keys outside its own window.
+    k_lo = tl.where(window > 0, q_pos - window + 1, 0)  # [ROWS] first key of each row
+    kv_lo = tl.maximum(tl.where(window > 0, ctx_len + m_start - window + 1, 0), 0)
     kv_end = ctx_len + tl.minimum(m_start + BLOCK_M, q_len)
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_r
     head_base = cache_ptr + kv_head.to(tl.int64) * stride_c_h
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_lo // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         k_pos = start + n
-        k_ok = k_pos < kv_end
+        k_ok = (k_pos >= kv_lo) & (k_pos < kv_end)
         page = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bt_b, mask=k_ok, other=0).to(tl.int64)
         kv_off = page * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot  # [BLOCK_N]
         kv_ptrs = head_base + kv_off[:, None] + d[None, :] * stride_c_d  # [BLOCK_N, D_PAD]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [ROWS, BLOCK_N] fp32
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= k_lo[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -165,8 +171,8 @@ class TritonAttention:
             D_PAD=triton.next_power_of_2(head_dim),
         )
 
-    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> out: same shape and dtype
         num_tokens, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -184,13 +190,14 @@ class TritonAttention:
         block_m, block_n = _tile_sizes(meta.max_query_len, group_pad, d_pad)
         # NOTE: grid and constexprs depend only on num_reqs and max_query_len, which are constants of a graph
         # bucket (worker/graphs.py captures this launch); seq_lens and block tables are read on the device.
-        # Never add a per-step host value (max_seq_len, ...) here: a captured graph would bake it in.
+        # Never add a per-step host value (max_seq_len, ...) here: a captured graph would bake it in (the
+        # window is a per-layer constant).
         grid = (meta.num_reqs, triton.cdiv(meta.max_query_len, block_m), num_kv_heads)
         _paged_attention_kernel[grid](
             out, query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             scale * _LOG2E,
             *query.stride(), *out.stride(), *kv_cache.stride(), *meta.block_tables.stride(),
-            head_dim,
+            head_dim, window or 0,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size,
             BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad,
         )

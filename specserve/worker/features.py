@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from specserve.model.eagle_head import EagleHead
 from specserve.model.llama import LlamaModel
@@ -66,7 +65,7 @@ def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size
              block_ids: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         fb = flat_batch(token_ids, starts, block_ids, block_size, device)
         with torch.inference_mode():
-            embeds = F.embedding(fb.input_ids, target.embed)  # [T, hidden]
+            embeds = target.embed_tokens(fb.input_ids)  # [T, hidden]
             f = torch.cat(feats).to(device=device, dtype=embeds.dtype)  # [T, hidden]
             pred = head(embeds, f, fb.positions, kv, fb.meta)  # [T, hidden]
             last = pred[fb.meta.query_start_loc[1:].long() - 1]  # [B, hidden]

@@ -55,7 +55,8 @@ def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_po
                          platform.linear(dtype))
     model = LlamaModel(ckpt.arch, dtype, platform.device, make_backend(platform.attention_backend),
                        max_positions, platform.linear(dtype) if packer is None else packed_linear,
-                       make_ops(platform.device, dtype, platform.attention_backend))
+                       make_ops(platform.device, dtype, platform.attention_backend), platform.moe_kernel,
+                       platform.linear(dtype))
     model.load_weights(ckpt.state_dict, packer)
     log.info("weights: %s", describe_weights(model))
     return model.eval()

@@ -150,7 +150,8 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 
 // ---------------------------------------------------------------------------------------------------------
 // Paged attention over a flat batch (model/attention.py's metadata): new token i of request r sits at
-// position seq_lens[r] - q_len + i and attends keys 0 .. that position, read in place from the paged cache
+// position seq_lens[r] - q_len + i and attends keys 0 .. that position (with a sliding window w > 0: keys
+// max(0, position - w + 1) .. position), read in place from the paged cache
 // [2, num_blocks, block_size, Hkv, D] through the request's block table (no gather). One work item is one
 // (token, KV head): its K and V rows are read once for the heads that share them (GQA). Scores, softmax
 // (max-subtracted, two passes) and the weighted V sum are fp32, in key order: a row's result depends only on
@@ -184,16 +185,18 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// One (token, KV head): the token at position pos over keys first .. pos.
 template <typename KV>
-void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int32_t* table, int64_t pos,
-                 int64_t kvh, int per_kv, int64_t D, int64_t H_kv, int64_t block_size, float scale, float* out,
-                 std::vector<float>& scores) {
-  const int64_t n = pos + 1, stride = (n + 7) / 8 * 8;
+void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int32_t* table, int64_t first,
+                 int64_t pos, int64_t kvh, int per_kv, int64_t D, int64_t H_kv, int64_t block_size, float scale,
+                 float* out, std::vector<float>& scores) {
+  const int64_t n = pos + 1 - first, stride = (n + 7) / 8 * 8;
   scores.assign(static_cast<size_t>(per_kv * stride), -INFINITY);
-  std::vector<const KV*> rows(static_cast<size_t>(n));  // each key's K row (V row: the same offset)
-  for (int64_t p = 0; p < n; ++p) {
+  std::vector<const KV*> rows(static_cast<size_t>(n));  // key first + i's K row (V row: the same offset)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = first + i;
     const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-    rows[p] = k_cache + (slot * H_kv + kvh) * D;
+    rows[i] = k_cache + (slot * H_kv + kvh) * D;
   }
   const __m256 vscale = _mm256_set1_ps(scale);
   const int64_t full = n / 8 * 8;
@@ -251,7 +254,8 @@ void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int
 
 template <typename KV>
 void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
-                    const at::Tensor& qsl, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                    const at::Tensor& qsl, const at::Tensor& seq_lens, double scale, int64_t window,
+                    at::Tensor& out) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = kv.size(2), H_kv = kv.size(3), R = seq_lens.size(0);
   const int per_kv = static_cast<int>(H / H_kv);
@@ -275,15 +279,17 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / H_kv, kvh = i % H_kv;
-      attend_item<KV>(qp + (t * H + kvh * per_kv) * D, k_cache, v_cache, tp + req_of[t] * ld_table, pos_of[t],
-                      kvh, per_kv, D, H_kv, block_size, static_cast<float>(scale), op + (t * H + kvh * per_kv) * D,
-                      scores);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos_of[t] - window + 1) : 0;
+      attend_item<KV>(qp + (t * H + kvh * per_kv) * D, k_cache, v_cache, tp + req_of[t] * ld_table, first,
+                      pos_of[t], kvh, per_kv, D, H_kv, block_size, static_cast<float>(scale),
+                      op + (t * H + kvh * per_kv) * D, scores);
     }
   });
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                           int64_t window) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.is_contiguous(), "bad attention shapes");
   TORCH_CHECK(query.size(2) % 8 == 0 && query.size(2) == kv_cache.size(4), "head_dim must be a multiple of 8");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of KV heads");
@@ -294,10 +300,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor qsl = query_start_loc.contiguous(), sl = seq_lens.contiguous();
   if (kv_cache.scalar_type() == at::kFloat) {
-    attention_impl<float>(q, kv_cache, tables, qsl, sl, scale, out);
+    attention_impl<float>(q, kv_cache, tables, qsl, sl, scale, window, out);
   } else {
     TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "KV cache must be float32 or bfloat16");
-    attention_impl<at::BFloat16>(q, kv_cache, tables, qsl, sl, scale, out);
+    attention_impl<at::BFloat16>(q, kv_cache, tables, qsl, sl, scale, window, out);
   }
   return out.to(query.scalar_type());
 }
@@ -410,7 +416,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& down_scale, const c10::optional<at::Tensor>& down_mins, const at::Tensor& positions,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t H,
-    int64_t Hkv, double scale) {
+    int64_t Hkv, double scale, int64_t window) {
   at::Tensor res, x;
   if (delta.has_value()) {
     std::tie(res, x) = add_rms_norm(h, *delta, input_norm, eps);
@@ -421,7 +427,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   at::Tensor qkv = qmm(x, qkv_codes, qkv_scale, qkv_mins);
   if (qkv_bias.has_value()) qkv = qkv + *qkv_bias;
   const at::Tensor q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, H, Hkv);
-  const at::Tensor a = paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scale);
+  const at::Tensor a = paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window);
   const at::Tensor o = qmm(a.reshape({a.size(0), -1}), o_codes, o_scale, o_mins);
   const int64_t Hd = res.size(-1);  // res += o, x = norm(res): in place (res is this call's own tensor)
   add_rms_norm_rows(res.data_ptr<float>(), o.data_ptr<float>(), post_norm.contiguous().data_ptr<float>(),
@@ -442,13 +448,13 @@ TORCH_LIBRARY(specserve_cpu, m) {
   m.def("q4_mm(Tensor x, Tensor packed, Tensor scale, Tensor mins) -> Tensor");
   m.def("q8_mm(Tensor x, Tensor codes, Tensor scale) -> Tensor");
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int window) -> Tensor");
   m.def("decoder_layer(Tensor h, Tensor? delta, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor qkv_codes, Tensor qkv_scale, Tensor? qkv_mins, Tensor? qkv_bias, Tensor o_codes, Tensor o_scale, "
         "Tensor? o_mins, Tensor gate_up_codes, Tensor gate_up_scale, Tensor? gate_up_mins, Tensor down_codes, "
         "Tensor down_scale, Tensor? down_mins, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_heads, "
-        "int num_kv_heads, float scale) -> (Tensor, Tensor)");
+        "int num_kv_heads, float scale, int window) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
