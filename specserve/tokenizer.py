@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from specserve.config import CheckpointError
+from specserve.model.families import family
 from specserve.model.loader import default_model_path, read_arch
 
 # End-of-turn markers of common chat formats (ChatML, Llama 3, Phi, Gemma, GPT-2 style documents).
@@ -43,6 +44,8 @@ class Tokenizer:
                                                    gguf_file=os.path.basename(path))
         except Exception as e:
             raise CheckpointError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+        if not getattr(hf, "chat_template", None):
+            hf.chat_template = family(arch.architecture).chat_template
         return Tokenizer(hf, arch.eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

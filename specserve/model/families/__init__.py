@@ -7,7 +7,8 @@ A family is one file in this package that builds a ``Family`` and passes it to `
 - its config mapping: ``hf_config`` / ``gguf_config`` return the ``ModelArch`` fields that differ from the
   Llama defaults the loader reads itself (sizes, heads, rope, eps, eos);
 - its weight names: GGUF block tensor names that differ from Llama's, the MoE expert names, and any
-  conversion of the weights into the form the shared layer computes with (``hf_weights`` / ``gguf_weights``).
+  conversion of the weights into the form the shared layer computes with (``hf_weights`` / ``gguf_weights``);
+- optionally its chat format, for checkpoints without a chat template.
 
 The layer itself is shared (``model/llama.py``): attention, gated MLP (SiLU or GeGLU), sparse MoE, norms and
 rope are composed from ``ModelArch`` fields, so a family adds data, not a copy of the decoder.
@@ -76,6 +77,8 @@ class Family:
     moe: MoeNames | None = None
     hf_weights: Callable[[StateDict, ModelArch], None] | None = None  # in place, after validation
     gguf_weights: Callable[[StateDict, ModelArch], None] | None = None
+    # The family's chat format (jinja), for checkpoints that carry no template (GGUF files often do not).
+    chat_template: str | None = None
 
 
 _BY_NAME: dict[str, Family] = {}

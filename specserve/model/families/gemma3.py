@@ -14,6 +14,18 @@ _LOCAL_THETA = 10000.0  # llama.cpp's constant for Gemma 3's sliding layers; HF'
 _PATTERN = 6  # every 6th layer is global (HF sliding_window_pattern; llama.cpp's swa pattern for gemma3)
 
 
+# Gemma's turns: <start_of_turn>{user|model}\n...<end_of_turn>\n; a system message opens the first user turn.
+_CHAT = (
+    "{{ bos_token }}"
+    "{%- set sys = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' -%}"
+    "{%- for m in (messages[1:] if sys else messages) -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n' }}"
+    "{{ (sys if loop.first else '') + m['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 def _common(hidden: int) -> dict[str, Any]:
     return {"qk_norm": True, "sandwich_norms": True, "hidden_act": "gelu_tanh", "embed_scale": math.sqrt(hidden),
             "tie_word_embeddings": True}
@@ -65,4 +77,5 @@ register(Family(
     hf_config=_hf, gguf_config=_gguf,
     gguf_block_names={"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"},
-    hf_weights=norms_plus_one))  # GGUF norms already hold 1 + w
+    hf_weights=norms_plus_one,  # GGUF norms already hold 1 + w
+    chat_template=_CHAT))
