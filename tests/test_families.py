@@ -77,12 +77,14 @@ def assert_greedy_matches_generate(hf, model: LlamaModel, tokens: list[int], n: 
     assert len(got) == n
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "mistral"])
 def test_hf_dir_logits_and_greedy_match_transformers(tmp_path, family):
-    hf = hf_model(family)
+    """Mistral with a 16-token window: every layer slides, and the prompt is three windows long."""
+    hf = hf_model(family, **({"sliding_window": 16} if family == "mistral" else {}))
     hf.save_pretrained(tmp_path)
     model = ours(str(tmp_path))
     assert model.arch.architecture == family
+    assert model.arch.window(0) == (16 if family in ("mistral", "gemma3") else None)
     tokens = prompt()
     got = run_chunks(model, tokens, [17, 1, 5, 20, 7])
     assert (got - hf_logits(hf, tokens)).abs().max().item() < TOL

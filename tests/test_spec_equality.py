@@ -716,3 +716,33 @@ def demo_bit_exact(method: str, dtype: str) -> None:
     if method == "eagle+lookup":  # both sources drafted ("Repeat exactly" repeats; the rest mostly not)
         proposer = llm.engine.runner.drafter.proposer
         assert proposer.num_lookup > 0 and proposer.num_model > 0, (proposer.num_lookup, proposer.num_model)
+
+
+# -- sampling on a mixture-of-experts target: the engine's draws follow the target's distribution ----------------
+def test_chi2_moe_target_sampled_with_a_draft(tiny):
+    """6000 seeded requests of one prompt, 3 sampled tokens each (temperature 1, top-k 4) on the Qwen3-MoE target
+    with its 1-layer draft at k = 1: token 0 comes from plain sampling, token 1 from verifying a draft (a draft is
+    proposed only where it can still be used, hence 3 tokens). Both must follow the
+    target: p(t0) and the marginal p(t1) = sum over t0 of p(t0) p(t1 | t0), computed from the target's logits."""
+    from tests.test_rejection import chi2_pvalue, position
+
+    paths, prompt, top_k, n = tiny["qwen3_moe"], PROMPTS[3], 4, 6000
+    llm = LLM(paths.target, **engine_args(256, "draft", 1, paths))
+    params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+    outs = [o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=[prompt] * n)]
+    model = llm.engine.runner.model
+
+    def top_k_probs(tokens: list[int]) -> torch.Tensor:
+        logits = last_logits(model, tokens).double()
+        kept = torch.full_like(logits, float("-inf"))
+        idx = logits.topk(top_k).indices
+        kept[idx] = logits[idx]
+        return torch.softmax(kept, dim=-1)
+
+    p0 = top_k_probs(prompt)
+    p1 = sum(p0[t] * top_k_probs(prompt + [int(t)]) for t in p0.nonzero().flatten())
+    pv0, pv1 = chi2_pvalue(position(outs, 0), p0), chi2_pvalue(position(outs, 1), p1)
+    print(f"MoE chi2 p-values: token 0 {pv0:.3g}, token 1 (verified drafts) {pv1:.3g}")
+    assert pv0 > 0.01 and pv1 > 0.01
+    spec = llm.get_metrics()["speculative"]
+    assert spec["draft_tokens"] >= n // 2 and 0 < spec["accepted_tokens"] < spec["draft_tokens"]
