@@ -371,3 +371,33 @@ def test_invalid_config_values_name_the_file(tmp_path, reader):
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 3}))
     expect_error(reader, path, path, "num_attention_heads (4) is not a multiple of num_key_value_heads (3)")
+
+
+def test_other_gguf_quant_types_kept_as_int8(tmp_path):
+    """Kept quantized (``--quantization auto``), a matrix in a block format we do not run natively (Q5_0, Q5_1, K-quants)
+    becomes group-32 int8 within half an int8 step of the file's values; without keeping, it is the file's
+    values in float32."""
+    from specserve.model.gguf_file import read_gguf_tensor
+    from specserve.model.quant import QuantizedTensor
+
+    gen = torch.Generator().manual_seed(0)
+    data = {"a.weight": (torch.randn(64, 64, generator=gen).numpy(), Q.Q5_0),
+            "b.weight": (torch.randn(4, 256, generator=gen).numpy(), Q.Q5_1)}
+    w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    for name, (a, qtype) in data.items():
+        w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(tmp_path / "q.gguf", "rb") as f:
+        g = parse_gguf(f, "q.gguf")
+        for name, (a, qtype) in data.items():
+            exact = read_gguf_tensor(f, g.tensors[name], "q.gguf")
+            kept = read_gguf_tensor(f, g.tensors[name], "q.gguf", keep_quantized=True)
+            want = gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype).reshape(a.shape)
+            assert isinstance(exact, torch.Tensor) and torch.equal(exact, torch.from_numpy(want))
+            assert isinstance(kept, QuantizedTensor) and kept.bits == 8
+            step = exact.abs().reshape(exact.shape[0], -1, 32).amax(-1, keepdim=True) / 127
+            err = (kept.dequantize() - exact).abs().reshape(step.shape[0], -1, 32)
+            assert (err <= step / 2 + 1e-7).all()

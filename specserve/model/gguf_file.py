@@ -2,7 +2,8 @@
 
 Metadata arrays (the 49k-entry vocabulary) are skipped, not decoded: that is most of the 2-4 s the gguf
 package's GGUFReader spends on the demo model. Q4_0 / Q4_1 / Q8_0 matrices can be kept in their blocks
-(model/quant.py); other quantized tensors are dequantized with the gguf package.
+(model/quant.py); other quantized tensors are dequantized with the gguf package (and requantized to int8 when
+kept quantized).
 Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from specserve.config import CheckpointError
-from specserve.model.quant import GROUP, QuantizedTensor
+from specserve.model.quant import GROUP, QuantizedTensor, quantize
 
 
 class GGUFArray(NamedTuple):
@@ -148,7 +149,8 @@ def _quantized(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[i
 def read_gguf_tensor(f: Any, info: TensorInfo, file: str, keep_quantized: bool = False
                      ) -> torch.Tensor | QuantizedTensor:
     """One tensor in its torch shape (GGUF dims reversed). Q4_0 / Q4_1 / Q8_0 matrices come back as a
-    ``QuantizedTensor`` with ``keep_quantized``; every other quantized type is dequantized to float32."""
+    ``QuantizedTensor`` with ``keep_quantized``, other quantized matrices requantized to int8 (group 32); without
+    it every quantized type is dequantized to float32."""
     f.seek(info.offset)
     raw = np.fromfile(f, dtype=np.uint8, count=info.nbytes)  # a fresh writable array, no memmap aliasing
     shape = tuple(reversed(info.shape))
@@ -166,4 +168,9 @@ def read_gguf_tensor(f: Any, info: TensorInfo, file: str, keep_quantized: bool =
                                       info.qtype)
     except NotImplementedError as e:
         raise CheckpointError(f"{file}: tensor {info.name} has unsupported type {info.qtype.name}") from e
-    return torch.from_numpy(data.astype(np.float32, copy=False).reshape(shape))
+    t = torch.from_numpy(data.astype(np.float32, copy=False).reshape(shape))
+    if keep_quantized and len(shape) == 2 and shape[1] % GROUP == 0:
+        # Other block formats (Q5_0, Q4_K, Q6_K, ...) stay quantized as group-32 int8: a grid at least 8x finer
+        # than the file's, so the weights are the file's to within a small fraction of its own rounding.
+        return quantize(t, 8, info.name)
+    return t
