@@ -55,3 +55,29 @@ def test_graphs_match_eager_on_gpu():
         gc.collect()
         torch.cuda.empty_cache()
     assert outs[False] == outs[True]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_new_families_on_gpu(tmp_path, family):
+    """Tiny Gemma 3 (sliding layers in the Triton kernel) and Qwen3-MoE (the grouped Triton experts), graphs on:
+    greedy with n-gram speculation equals speculation off, and the first tokens equal transformers' on the GPU."""
+    from specserve.llm import LLM
+    from tests.helpers import write_char_tokenizer
+    from tests.test_spec_equality import PROMPTS, assert_same, make_target
+
+    hf = make_target(family, seed=3)
+    hf.save_pretrained(tmp_path)
+    write_char_tokenizer(str(tmp_path), hf.config.vocab_size)
+    llm = LLM(str(tmp_path), dtype="float32", speculative_method="ngram", num_speculative_tokens=4,
+              speculative_adaptive=False, max_num_seqs=8)
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    ids = PROMPTS[:16]
+    off = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=ids, speculative=False)]
+    on = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=ids)]
+    model = llm.engine.runner.model
+    assert model.backend.__class__.__name__ == "TritonAttention"
+    assert_same(f"gpu {family}", ids, off, on, model)
+    hf = hf.cuda()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids[0]], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(ids[0]):]
+    assert ref.tolist() == off[0][:8]
