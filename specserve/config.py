@@ -58,6 +58,7 @@ class ModelArch:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
+    qk_norm_full: bool = False  # with qk_norm: over the whole q / k projection instead of per head (OLMoE)
     hidden_act: str = "silu"  # gated MLP activation: "silu" | "gelu_tanh" (GeGLU, Gemma)
     sandwich_norms: bool = False  # RMSNorm after attention and after the MLP too (Gemma 3)
     embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(hidden))

@@ -21,10 +21,11 @@ def tiny_hf_model(family: str = "llama", seed: int = 0, layers: int = 2, vocab: 
     if family == "gemma3":  # a window of 16 so sliding layers matter at test lengths; the last layer global
         common |= dict(sliding_window=16, query_pre_attn_scalar=24, pad_token_id=0, tie_word_embeddings=True,
                        layer_types=["sliding_attention"] * max(layers - 1, 1) + ["full_attention"] * (layers > 1))
-    if family in ("qwen3_moe", "mixtral"):  # 8 experts, 2 per token; Qwen3-MoE renormalises as its releases do
-        common |= dict(num_experts_per_tok=2, router_jitter_noise=0.0)
-        common |= dict(num_experts=8, moe_intermediate_size=48, norm_topk_prob=True) if family == "qwen3_moe" \
-            else dict(num_local_experts=8, intermediate_size=48)
+    if family in ("qwen3_moe", "mixtral", "olmoe"):  # 8 experts, 2 per token (Qwen3-MoE renormalises, as its
+        common |= dict(num_experts_per_tok=2)  # releases do; OLMoE does not)
+        common |= {"qwen3_moe": dict(num_experts=8, moe_intermediate_size=48, norm_topk_prob=True),
+                   "mixtral": dict(num_local_experts=8, intermediate_size=48, router_jitter_noise=0.0),
+                   "olmoe": dict(num_experts=8, intermediate_size=48, norm_topk_prob=False)}[family]
     common.update(over)
     cfg_cls, model_cls = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
@@ -34,6 +35,7 @@ def tiny_hf_model(family: str = "llama", seed: int = 0, layers: int = 2, vocab: 
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
     }[family]
     model = model_cls(cfg_cls(**common)).eval()
     # Random init of biases/norms so they matter in parity checks.

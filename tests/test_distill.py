@@ -110,6 +110,27 @@ def test_head_distill_reading_several_target_layers(setup):
             feature_layers(bad, 2)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_head_distill_for_other_families(tmp_path, family):
+    """A head for a Gemma 3 target (sandwich norms, GeGLU, sliding layers, scaled embeddings) and for a Qwen3-MoE
+    target: the head's Llama layer starts from what it shares with the target's last layer, training stays
+    finite, and serving with it is exact."""
+    target = save_tiny_checkpoint(tmp_path / "target", family, seed=1, layers=2, initializer_range=0.1)
+    out = str(tmp_path / "head")
+    assert main(["distill", "--target", target, "--out", out, "--dataset", _prompts_file(tmp_path), *FAST,
+                 "--kind", "head", "--steps", "2", "--text-tokens", "100", "--text-seq-len", "48",
+                 "--eval-prompts", "0"]) == 0
+    ck = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in ck["history"])
+    _greedy_equal(target, 4, speculative_method="eagle", speculative_model=out)
+
+
+def _prompts_file(root) -> str:
+    path = root / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return str(path)
+
+
 def test_model_distill_is_a_normal_hf_draft(setup, tmp_path):
     out = str(setup["root"] / "model")
     _distill(setup, out, "--kind", "model", "--layers", "1", "--steps", "2", "--train-dtype", "bfloat16")

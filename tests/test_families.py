@@ -19,7 +19,7 @@ from specserve.model.attention import TorchAttention, build_metadata
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import load_checkpoint, read_arch
 
-FAMILIES = ["gemma3", "qwen3_moe", "mixtral"]
+FAMILIES = ["gemma3", "qwen3_moe", "mixtral", "olmoe"]
 TOL = 1e-4
 NEAR_TIE = 1e-4
 
@@ -77,7 +77,7 @@ def assert_greedy_matches_generate(hf, model: LlamaModel, tokens: list[int], n: 
     assert len(got) == n
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "mistral"])
+@pytest.mark.parametrize("family", [*FAMILIES, "mistral", "qwen3"])
 def test_hf_dir_logits_and_greedy_match_transformers(tmp_path, family):
     """Mistral with a 16-token window: every layer slides, and the prompt is three windows long."""
     hf = hf_model(family, **({"sliding_window": 16} if family == "mistral" else {}))
@@ -146,14 +146,16 @@ _GEMMA_BLOCK = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
                 "post_feedforward_layernorm": "post_ffw_norm"}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
         "model.norm.weight": "output_norm.weight"}
-_EXPERTS = {"qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+_QWEN_EXPERTS = ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                 "mlp.experts.{e}.down_proj.weight")
+_EXPERTS = {"olmoe": _QWEN_EXPERTS, "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                           "mlp.experts.{e}.down_proj.weight"),
             "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
                         "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")}
 STRUCTURE = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "sliding_window", "sliding_layers",
-             "qk_norm", "sandwich_norms", "hidden_act", "embed_scale", "attn_scale", "rope_local_theta",
+             "qk_norm", "qk_norm_full", "sandwich_norms", "hidden_act", "embed_scale", "attn_scale", "rope_local_theta",
              "tie_word_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
-GGUF_ARCH = {"gemma3": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+GGUF_ARCH = {"gemma3": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
 
 
 def write_gguf(path: Path, hf_dir: Path, family: str, drop_key: str | None = None) -> None:

@@ -40,7 +40,7 @@ MAX_TOKENS = 32
 NEAR_TIE = 1e-4
 # the main matrix on Llama, preemption on Qwen2 (q/k/v biases); every other family (q/k norms, sliding windows,
 # sandwich norms, experts) with each proposer at batch 1 and 8
-OTHER_FAMILIES = ("qwen3", "gemma3", "qwen3_moe", "mixtral")
+OTHER_FAMILIES = ("qwen3", "gemma3", "qwen3_moe", "mixtral", "olmoe")
 TINY_FAMILIES = ("llama", "qwen2", *OTHER_FAMILIES)
 PREEMPT_BLOCKS = 16  # 16 blocks x 16 tokens: one request always fits, eight never do
 

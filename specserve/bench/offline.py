@@ -581,6 +581,9 @@ def cmd_offline(args: argparse.Namespace) -> int:
     print(f"\nspeculation: {spec_config['method']} k<={spec_config['num_speculative_tokens']} "
           f"adaptive={spec_config['adaptive']}; dataset {args.dataset}, {len(prompts)} prompts, "
           f"max_tokens {args.max_tokens}, median of {args.repeats}")
+    machine = llm.engine.platform.describe()
+    print(f"machine: {machine.get('cpu_class') or machine.get('gpu_name', machine['device'])}; compute dtype "
+          f"{str(llm.engine.runner.dtype).removeprefix('torch.')}, torch threads {machine['torch_threads']}")
     b1 = next((b for b in batches if b["batch_size"] == 1), None)
     ref = run_once(llm, prompts, 1, args.max_tokens, False, args.ignore_eos).outputs if peers else []
     if "llama.cpp" in peers:

@@ -172,7 +172,7 @@ def _sample(model: Any, prompt: list[int], output: list[int], parts: list[tuple[
         raise RuntimeError(f"captured {feats.shape[0]} features for a sequence of {len(ids)} tokens")
     h = model.arch.hidden_size  # features may hold several layers (the head's taps); the last is the last layer
     idx, vals = top_logprobs(model, feats[:, -h:], top_k)  # every position, the prompt's included
-    return Sample(ids, len(prompt), feats.half(), idx, vals, target_from=0)
+    return Sample(ids, len(prompt), _compact(feats), idx, vals, target_from=0)
 
 
 def top_logprobs(model: Any, feats: torch.Tensor, top_k: int, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +246,7 @@ def _text_batch(model: Any, group: list[list[int]], top_k: int, out: list[Sample
     for b, c in enumerate(group):
         f = feats[b, :len(c) - 1]
         top, lp = top_logprobs(model, f[:, -h:], top_k)  # from the last layer's slot
-        out.append(Sample(list(c), 1, f.half(), top, lp, target_from=0))
+        out.append(Sample(list(c), 1, _compact(f), top, lp, target_from=0))
     return sum(len(c) for c in group)
 
 
@@ -271,3 +271,9 @@ def save_samples(path: str, samples: list[Sample], meta: dict[str, Any]) -> None
 def load_samples(path: str) -> tuple[list[Sample], dict[str, Any]]:
     data = torch.load(path, weights_only=True)
     return [Sample(**s) for s in data["samples"]], data["meta"]
+
+
+def _compact(features: torch.Tensor) -> torch.Tensor:
+    """Features as stored: float16 (finer), or bfloat16 where the residual stream exceeds float16's range
+    (Gemma 3's reaches 4e4 and more)."""
+    return features.half() if bool(features.abs().max() < 6e4) else features.bfloat16()

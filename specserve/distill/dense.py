@@ -23,9 +23,11 @@ def qkv(attn: Attention, x: torch.Tensor, rope: RotaryEmbedding, positions: torc
     shape = x.shape[:-1]
     out = F.linear(x, attn.qkv, attn.qkv_bias)
     q, k, v = out.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    if attn.q_norm is not None and attn.k_norm is not None and attn.qk_norm_full:
+        q, k = attn.q_norm(q), attn.k_norm(k)
     q = q.view(*shape, attn.num_heads, attn.head_dim)
     k = k.view(*shape, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None and attn.k_norm is not None:
+    if attn.q_norm is not None and attn.k_norm is not None and not attn.qk_norm_full:
         q, k = attn.q_norm(q), attn.k_norm(k)
     v = v.view(*shape, attn.num_kv_heads, attn.head_dim)
     q, k = rope(positions, q, k)  # cos/sin [S, 1, D] broadcast over the batch

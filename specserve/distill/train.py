@@ -149,7 +149,17 @@ class HeadTask:
                               target.device, None, target.arch.max_position_embeddings + 64)
         h = target.arch.hidden_size
         with torch.no_grad():
-            self.head.layer.load_state_dict(target.layers[-1].state_dict())
+            # The head's layer is a Llama layer: it starts as the target's last layer where the two share a
+            # parameter (the whole layer for a Llama target; attention for Gemma or an MoE target, whose other
+            # parts have no counterpart and start small and random).
+            own, last = self.head.layer.state_dict(), target.layers[-1].state_dict()
+            for name, p in own.items():
+                if name in last and last[name].shape == p.shape:
+                    p.copy_(last[name])
+                elif p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
             self.head.fc.zero_()
             self.head.fc[:, :h] = torch.eye(h)  # the embedding
             self.head.fc[:, -h:] = torch.eye(h)  # the last layer's feature; other layers start at zero

@@ -1,7 +1,7 @@
 """The decoder over a flat token batch with a paged KV cache, shared by every family (``model/families/``).
 
 One graph, composed from ``ModelArch``: Llama's pre-norm layer; q/k/v biases (Qwen2); per-head q/k RMSNorm
-before rope (Qwen3, Gemma 3); sliding-window layers with their own rope base (Mistral, Gemma 3); norms after
+before rope (Qwen3, Gemma 3; over the whole projection in OLMoE); sliding-window layers with their own rope base (Mistral, Gemma 3); norms after
 attention and after the MLP as well (Gemma 3's sandwich); a SiLU or GeGLU gated MLP, or a sparse
 mixture-of-experts block (Qwen3-MoE, Mixtral); scaled embeddings (Gemma).
 """
@@ -47,18 +47,23 @@ class Attention(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) \
             if arch.attention_bias else None
         self.o = _param(arch.hidden_size, self.q_size, dtype=dtype, device=device)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device) if arch.qk_norm else None
+        self.qk_norm_full = arch.qk_norm_full
+        q_dim, k_dim = (self.q_size, self.kv_size) if arch.qk_norm_full else (arch.head_dim, arch.head_dim)
+        self.q_norm = RMSNorm(q_dim, arch.rms_norm_eps, dtype, device) if arch.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, arch.rms_norm_eps, dtype, device) if arch.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend, ops: TorchOps = _TORCH_OPS) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2 Hkv) * D]
-        if self.q_norm is not None and self.k_norm is not None:  # per head, before rope (Qwen3)
+        if self.q_norm is not None and self.k_norm is not None:  # before rope: per head, or per projection
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            d = self.head_dim
-            qkv = torch.cat([self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, self.q_size),
-                             self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, self.kv_size), v], dim=-1)
+            if self.qk_norm_full:
+                qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+            else:
+                d = self.head_dim
+                qkv = torch.cat([self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, self.q_size),
+                                 self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, self.kv_size), v], dim=-1)
         q = ops.qkv_rope_write(qkv, positions, rope, self.num_heads, self.num_kv_heads, kv_cache, meta, backend)
         o = backend.attend(q, kv_cache, meta, self.scale, self.window)  # [T, H, D]
         return self.linear(o.reshape(t, self.q_size), self.o)

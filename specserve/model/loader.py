@@ -95,7 +95,8 @@ def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
         if arch.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (arch.head_dim,), p + "self_attn.k_norm.weight": (arch.head_dim,)}
+            qn, kn = (q, kv) if arch.qk_norm_full else (arch.head_dim, arch.head_dim)
+            shapes |= {p + "self_attn.q_norm.weight": (qn,), p + "self_attn.k_norm.weight": (kn,)}
         if arch.is_moe(i):
             if moe is None:
                 raise CheckpointError(f"the {arch.architecture} family has no mixture-of-experts weights")
