@@ -308,7 +308,7 @@ def test_truncated_gguf(tmp_path, reader, keep):
 
 def test_unknown_gguf_architecture(tmp_path, reader):
     write_gguf(tmp_path / "g.gguf", "llama", arch_name="gpt2")
-    expect_error(reader, tmp_path / "g.gguf", "g.gguf", "unknown architecture 'gpt2'", "llama, qwen2")
+    expect_error(reader, tmp_path / "g.gguf", "g.gguf", "unknown architecture 'gpt2'", "gemma3, llama, olmoe, qwen2, qwen3, qwen3moe")
 
 
 def test_unsupported_gguf_quant_type(tmp_path):

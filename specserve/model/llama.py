@@ -1,9 +1,9 @@
 """The decoder over a flat token batch with a paged KV cache, shared by every family (``model/families/``).
 
-One graph, composed from ``ModelArch``: Llama's pre-norm layer; q/k/v biases (Qwen2); per-head q/k RMSNorm
-before rope (Qwen3, Gemma 3; over the whole projection in OLMoE); sliding-window layers with their own rope base (Mistral, Gemma 3); norms after
-attention and after the MLP as well (Gemma 3's sandwich); a SiLU or GeGLU gated MLP, or a sparse
-mixture-of-experts block (Qwen3-MoE, Mixtral); scaled embeddings (Gemma).
+One graph, composed from ``ModelArch``: Llama's pre-norm layer; q/k/v biases (Qwen2); q/k RMSNorm before
+rope, per head (Qwen3, Gemma 3) or over the whole projection (OLMoE); sliding-window layers with their own rope
+base (Mistral, Gemma 3); norms after attention and after the MLP as well (Gemma 3's sandwich); a SiLU or GeGLU
+gated MLP, or a sparse mixture-of-experts block (Qwen3-MoE, Mixtral, OLMoE); scaled embeddings (Gemma).
 """
 
 from __future__ import annotations
