@@ -23,7 +23,7 @@ def tiny_hf_model(family: str = "llama", seed: int = 0, layers: int = 2, vocab: 
                        layer_types=["sliding_attention"] * max(layers - 1, 1) + ["full_attention"] * (layers > 1))
     if family in ("qwen3_moe", "mixtral", "olmoe"):  # 8 experts, 2 per token (Qwen3-MoE renormalises, as its
         common |= dict(num_experts_per_tok=2)  # releases do; OLMoE does not)
-        common |= {"qwen3_moe": dict(num_experts=8, moe_intermediate_size=48, norm_topk_prob=True),
+        common |= {"qwen3_moe": dict(num_experts=8, moe_intermediate_size=64, norm_topk_prob=True),
                    "mixtral": dict(num_local_experts=8, intermediate_size=48, router_jitter_noise=0.0),
                    "olmoe": dict(num_experts=8, intermediate_size=48, norm_topk_prob=False)}[family]
     common.update(over)

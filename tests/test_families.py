@@ -120,7 +120,7 @@ def test_moe_arch_from_config(tmp_path):
     hf = hf_model("qwen3_moe", mlp_only_layers=[1])
     hf.save_pretrained(tmp_path)
     a = read_arch(str(tmp_path))
-    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.norm_topk_prob) == (8, 2, 48, True)
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.norm_topk_prob) == (8, 2, 64, True)
     assert a.dense_layers == (1,) and [a.is_moe(i) for i in range(3)] == [True, False, True]
     assert ours(str(tmp_path)).decoder_layers[1].mlp.__class__.__name__ == "GatedMLP"
 
@@ -158,7 +158,8 @@ STRUCTURE = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim
 GGUF_ARCH = {"gemma3": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
 
 
-def write_gguf(path: Path, hf_dir: Path, family: str, drop_key: str | None = None) -> None:
+def write_gguf(path: Path, hf_dir: Path, family: str, drop_key: str | None = None,
+               expert_qtypes: tuple[gguf.GGMLQuantizationType, ...] = ()) -> None:
     """The saved HF weights as llama.cpp's converter writes them (F32): its tensor names, Gemma norms as 1 + w,
     Llama-layout q/k rows permuted, experts stacked [experts, rows, cols]."""
     cfg = __import__("json").loads((hf_dir / "config.json").read_text())
@@ -194,9 +195,14 @@ def write_gguf(path: Path, hf_dir: Path, family: str, drop_key: str | None = Non
         p = f"model.layers.{i}."
         if experts is not None:
             w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", sd.pop(p + experts[0]))
-            for gguf_name, pattern in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), experts[1:]):
-                w.add_tensor(f"blk.{i}.{gguf_name}.weight",
-                             np.stack([sd.pop(p + pattern.format(e=e)) for e in range(8)]))
+            for j, (gguf_name, pattern) in enumerate(zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+                                                        experts[1:])):
+                stacked = np.stack([sd.pop(p + pattern.format(e=e)) for e in range(8)])
+                if expert_qtypes:  # (gate, up, down): llama.cpp's quantized MoE files mix widths
+                    qtype = expert_qtypes[j]
+                    w.add_tensor(f"blk.{i}.{gguf_name}.weight", gguf.quants.quantize(stacked, qtype), raw_dtype=qtype)
+                else:
+                    w.add_tensor(f"blk.{i}.{gguf_name}.weight", stacked)
     for name, t in sd.items():
         if name in _TOP:
             out = _TOP[name]
@@ -216,9 +222,10 @@ def write_gguf(path: Path, hf_dir: Path, family: str, drop_key: str | None = Non
     w.close()
 
 
-def gguf_ready_model(family: str, tmp_path: Path):
+def gguf_ready_model(family: str, tmp_path: Path, **over):
     # llama.cpp knows Gemma 3's layout only as data: every 6th layer global, query_pre_attn_scalar = head_dim.
-    over = dict(layers=6, layer_types=None, query_pre_attn_scalar=16) if family == "gemma3" else {}
+    if family == "gemma3":
+        over |= dict(layers=6, layer_types=None, query_pre_attn_scalar=16)
     hf = hf_model(family, **over)
     hf_dir = tmp_path / "hf"
     hf.save_pretrained(hf_dir)
@@ -239,6 +246,32 @@ def test_gguf_logits_and_greedy_match_transformers(tmp_path, family):
     got = run_chunks(model, tokens, [17, 1, 5, 20, 7])
     assert (got - hf_logits(hf, tokens)).abs().max().item() < TOL
     assert_greedy_matches_generate(hf, model, tokens[:20])
+
+
+def test_quantized_gguf_experts_stay_quantized(tmp_path):
+    """Under ``--quantization auto`` a GGUF's stacked Q8_0 / Q4_0 experts run packed, one quantized matmul pair per
+    active expert (the torch MoE path), and agree with the same file dequantized to fp32."""
+    from specserve.model.quant import CpuQuantWeight
+    from specserve.platform import detect
+    from specserve.worker.model_runner import build_model
+
+    platform = detect("cpu")
+    if platform.quant_kernels != "cpu":
+        pytest.skip("no CPU quantized kernels here")
+    _, hf_dir = gguf_ready_model("qwen3_moe", tmp_path)
+    path = tmp_path / "q.gguf"
+    q8, q4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
+    write_gguf(path, hf_dir, "qwen3_moe", expert_qtypes=(q8, q8, q4))  # gate, up, down
+    packed = build_model(load_checkpoint(str(path), keep_quantized=True), platform, torch.float32, 512, "auto")
+    plain = build_model(load_checkpoint(str(path)), platform, torch.float32, 512, "none")
+    experts = packed.decoder_layers[0].mlp.packed
+    assert experts is not None and len(experts) == 8
+    assert [type(w).__name__ for w in experts[0]] == ["CpuQuantWeight"] * 2
+    assert {w.bits for pair in experts for w in pair if isinstance(w, CpuQuantWeight)} == {4, 8}
+    tokens = prompt()
+    a, b = run_chunks(packed, tokens, [17, 1, 5, 20, 7]), run_chunks(plain, tokens, [50])
+    assert (a - b).abs().max().item() < 2e-3  # int16 activations in the kernels: the only difference
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
 
 
 @pytest.mark.parametrize("family,key", [("gemma3", "attention.sliding_window"), ("qwen3_moe", "expert_count"),

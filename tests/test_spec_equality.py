@@ -301,6 +301,17 @@ def test_greedy_equal_families(tiny, family, method, bs):
     assert_speculated(spec.metrics)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_equal_quantized_moe(tiny, method):
+    """Qwen3-MoE with every matmul, experts included, in int8 (the C++ kernels, one pair per active expert)."""
+    ref = run(tiny, "qwen3_moe", 8, quantization="int8")
+    spec = run(tiny, "qwen3_moe", 8, method, 4, quantization="int8")
+    assert ref.llm.engine.runner.model.decoder_layers[0].mlp.packed is not None
+    assert_same(f"qwen3_moe int8 {method} k=4", PROMPTS, ref.token_ids, spec.token_ids,
+                ref.llm.engine.runner.model)
+    assert_speculated(spec.metrics)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_equal_with_chunked_prefill(tiny, method):
     """A 64-token budget at batch 32: prompt chunks share steps with verification of other requests' drafts."""

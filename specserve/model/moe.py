@@ -26,6 +26,8 @@ Weights: ``gate`` [E, hidden] is HF's ``mlp.gate.weight`` (Mixtral: ``block_spar
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,6 +59,16 @@ class SparseMoE(nn.Module):
                                     requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device),
                                  requires_grad=False)
+        self.packed: nn.ModuleList | None = None  # per expert (gate_up, down) packed weights (pack_experts)
+
+    def pack_experts(self, experts: list[tuple[nn.Module, nn.Module]]) -> None:
+        """Run the experts on packed weights (``model/quant.py``: ``(gate_up, down)`` per expert, each called as
+        ``w(x)``) instead of the float stacks, which are released. The torch path only."""
+        if self.kernel != "torch":
+            raise ValueError("packed experts run on the torch path only")
+        self.packed = nn.ModuleList(nn.ModuleList(pair) for pair in experts)
+        self.gate_up = nn.Parameter(self.gate_up.new_empty(0), requires_grad=False)
+        self.down = nn.Parameter(self.down.new_empty(0), requires_grad=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights [T, top_k] in ``x.dtype`` and expert ids [T, top_k] (int64), each row in ascending
@@ -87,8 +99,15 @@ class SparseMoE(nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            gate, up = self.linear(x.index_select(0, tokens[rows]), self.gate_up[e]).split(self.inter, dim=-1)
-            out.index_copy_(0, order[rows], self.linear(F.silu(gate) * up, self.down[e]))
+            xe = x.index_select(0, tokens[rows])
+            if self.packed is not None:
+                pair = cast(nn.ModuleList, self.packed[e])
+                packed_gate_up, packed_down = pair[0], pair[1]
+                gate, up = packed_gate_up(xe).split(self.inter, dim=-1)
+                out.index_copy_(0, order[rows], packed_down(F.silu(gate) * up).to(out.dtype))
+            else:
+                gate, up = self.linear(xe, self.gate_up[e]).split(self.inter, dim=-1)
+                out.index_copy_(0, order[rows], self.linear(F.silu(gate) * up, self.down[e]))
             start += n
         out = out.view(T, k, self.hidden) * weights.unsqueeze(-1)
         y = out[:, 0]
