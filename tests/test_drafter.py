@@ -64,6 +64,7 @@ def test_no_drafter_without_speculation(tmp_path):
 def test_engine_counters_are_the_requests_counters(llm):
     """Acceptance is recorded once, on the request; the engine's totals add finished and live requests."""
     keys = ("num_drafts", "draft_tokens", "accepted_tokens")
+    llm.engine.runner.drafter.reset_controller(adaptive=False)  # drafts every step, whatever the timings say
     before = llm.get_metrics()["speculative"]
     outs = llm.generate(["xy xy xy xy xy xy xy", "hello hello hello hello"],
                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
@@ -71,3 +72,4 @@ def test_engine_counters_are_the_requests_counters(llm):
     for key in keys:
         assert after[key] - before[key] == sum(o.metrics["speculative"][key] for o in outs)
     assert after["num_drafts"] > before["num_drafts"]
+    llm.engine.runner.drafter.reset_controller(adaptive=True)
