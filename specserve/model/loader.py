@@ -346,7 +346,7 @@ def _gguf_arch(g: GGUFFile, f: Any, file: str) -> ModelArch:
     meta, tensors = g.meta, g.tensors
     kind = meta.get("general.architecture")
     fam = gguf_family(kind, file)
-    cfg = ConfigView(meta, file, prefix=f"{kind}.", tensors=tensors)
+    cfg = ConfigView(meta, file, prefix=f"{kind}.")
     hidden, heads = int(cfg.req("embedding_length")), int(cfg.req("attention.head_count"))
     head_dim = int(cfg.get("attention.key_length", hidden // heads))
     if int(cfg.get("rope.dimension_count", head_dim)) != head_dim:

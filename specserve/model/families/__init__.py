@@ -33,9 +33,8 @@ class ConfigView:
     """Read access to one checkpoint's config (``config.json`` or GGUF metadata under ``prefix``) whose
     errors name the file and the key."""
 
-    def __init__(self, values: Mapping[str, Any], file: str, prefix: str = "", tensors: Mapping[str, Any] = {}
-                 ) -> None:
-        self.values, self.file, self.prefix, self.tensors = values, file, prefix, tensors
+    def __init__(self, values: Mapping[str, Any], file: str, prefix: str = "") -> None:
+        self.values, self.file, self.prefix = values, file, prefix
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.values.get(self.prefix + key)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from specserve.config import ModelArch
 from specserve.model.families import ConfigView, Family, StateDict, layer_types, register
+from specserve.model.quant import QuantizedTensor
 
 
 def _unpermute_qk(sd: StateDict, arch: ModelArch) -> None:
     """Undo llama.cpp's rotary permutation of Llama q/k rows (convert_hf_to_gguf.py LlamaModel.permute)."""
-    from specserve.model.quant import QuantizedTensor
-
     for i in range(arch.num_layers):
         for proj, n_head in (("q_proj", arch.num_heads), ("k_proj", arch.num_kv_heads)):
             name = f"model.layers.{i}.self_attn.{proj}.weight"
@@ -20,8 +21,6 @@ def _unpermute_qk(sd: StateDict, arch: ModelArch) -> None:
             d = w.shape[0]
             # The converter did w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2); this reverses it.
             if isinstance(w, QuantizedTensor):  # the same reordering of whole rows of blocks
-                import torch
-
                 order = torch.arange(d).reshape(n_head, d // n_head // 2, 2).transpose(1, 2).reshape(d)
                 sd[name] = w.rows(order)
             else:
