@@ -104,6 +104,8 @@ class LlamaModel(nn.Module):
         self.arch, self.dtype, self.device, self.backend, self.linear = arch, dtype, device, backend, linear
         self.ops = ops  # model/ops.py: residual + norm, rope + KV write (fused on CPU in fp32)
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        # The scale rounded to the model's dtype first, as HF's Gemma does; a Python float: no tensor per step.
+        self.embed_scale = float(torch.tensor(arch.embed_scale, dtype=dtype))
         self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, linear, i, moe_kernel, float_linear)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
@@ -153,9 +155,7 @@ class LlamaModel(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: the (scaled) token embeddings, the first layer's input."""
         h = F.embedding(input_ids, self.embed)
-        if self.arch.embed_scale != 1.0:  # the scale rounded to the model's dtype first, as HF's Gemma does
-            h = h * torch.tensor(self.arch.embed_scale, dtype=h.dtype)
-        return h
+        return h if self.embed_scale == 1.0 else h * self.embed_scale
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
