@@ -172,6 +172,26 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "tensor-parallel ranks: every layer split over N processes (GPUs, or CPU processes over gloo)",
+        short="-tp"))
+    distributed_executor_backend: str = field(default="mp", metadata=flag(
+        "how tensor-parallel workers start: mp (local processes) or ray (actors on a running Ray cluster, "
+        "RAY_ADDRESS or auto; pip install 'specserve[ray]')", choices=EXECUTOR_BACKENDS))
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"--distributed-executor-backend must be one of {EXECUTOR_BACKENDS}, got "
+                             f"{self.distributed_executor_backend!r}")
+
+
 SPEC_METHODS = ("draft", "ngram", "layer_skip", "eagle")
 LOOKUP_FIRST_MIN_N = 3  # --prompt-lookup-first: the shortest repeated suffix that lets lookup draft
 
@@ -203,6 +223,10 @@ class SpeculativeConfig:
     grammar_drafts: bool = field(default=True, metadata=flag(
         "grammar-aware drafting for structured outputs (default on)", positive=False,
         negative="--no-grammar-drafts"))
+    # Tensor parallel: the draft model on rank 0 alone (1) or split like the target (its size; None = that).
+    draft_tensor_parallel_size: int | None = field(default=None, metadata=flag(
+        "the draft model's tensor-parallel size: 1 (on rank 0 alone) or the target's (default)",
+        cli="--speculative-draft-tensor-parallel-size"))
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_min is None:
@@ -222,6 +246,8 @@ class SpeculativeConfig:
                              "not ngram")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError("draft_layers must be >= 1")
+        if self.draft_tensor_parallel_size is not None and self.draft_tensor_parallel_size < 1:
+            raise ValueError("draft_tensor_parallel_size must be >= 1")
 
     @property
     def enabled(self) -> bool:
@@ -239,6 +265,7 @@ class SpeculativeConfig:
         speculative_adaptive: bool = True,
         prompt_lookup_first: bool | None = None,
         grammar_drafts: bool | None = None,
+        draft_tensor_parallel_size: int | None = None,
     ) -> SpeculativeConfig:
         """Merge vLLM V0-style flags and a V1-style ``--speculative-config`` JSON into one config."""
         cfg: dict[str, Any] = {}
@@ -282,6 +309,8 @@ class SpeculativeConfig:
             prompt_lookup_first=bool(prompt_lookup_first if prompt_lookup_first is not None
                                      else cfg.get("prompt_lookup_first", False)),
             grammar_drafts=bool(grammar_drafts if grammar_drafts is not None else cfg.get("grammar_drafts", True)),
+            draft_tensor_parallel_size=draft_tensor_parallel_size if draft_tensor_parallel_size is not None
+            else cfg.get("draft_tensor_parallel_size"),
         )
 
 
@@ -300,6 +329,18 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        tp, draft_tp = self.parallel.tensor_parallel_size, self.speculative.draft_tensor_parallel_size
+        if draft_tp is not None and draft_tp not in (1, tp):
+            raise ValueError(f"draft_tensor_parallel_size must be 1 or the target's tensor-parallel size ({tp}), "
+                             f"got {draft_tp}")
+
+    @property
+    def draft_tensor_parallel_size(self) -> int:
+        d = self.speculative.draft_tensor_parallel_size
+        return self.parallel.tensor_parallel_size if d is None else d
 
     @staticmethod
     def from_kwargs(model: str | None = None, **kw: Any) -> EngineConfig:
@@ -309,10 +350,11 @@ class EngineConfig:
             return {n: v for n, v in picked.items() if v is not None}
 
         model_cfg = ModelConfig(model=model, **take(ModelConfig))
-        cache_kw, sched_kw = take(CacheConfig), take(SchedulerConfig)
+        cache_kw, sched_kw, par_kw = take(CacheConfig), take(SchedulerConfig), take(ParallelConfig)
         spec_kws = [flag_keyword(f) for f in fields(SpeculativeConfig) if "flag" in f.metadata]
         spec_kw = {k: v for k in [*spec_kws, "speculative_config"] if (v := kw.pop(k, None)) is not None}
         spec_config = SpeculativeConfig.from_args(**spec_kw)
         if kw:
             raise TypeError(f"unknown engine arguments: {sorted(kw)}")
-        return EngineConfig(model_cfg, CacheConfig(**cache_kw), SchedulerConfig(**sched_kw), spec_config)
+        return EngineConfig(model_cfg, CacheConfig(**cache_kw), SchedulerConfig(**sched_kw), spec_config,
+                            ParallelConfig(**par_kw))

@@ -41,7 +41,8 @@ def engine_flags() -> list[EngineFlag]:
 
     out = []
     for cls, group in ((config.ModelConfig, "engine"), (config.CacheConfig, "engine"),
-                       (config.SchedulerConfig, "engine"), (config.SpeculativeConfig, "speculative decoding")):
+                       (config.SchedulerConfig, "engine"), (config.ParallelConfig, "engine"),
+                       (config.SpeculativeConfig, "speculative decoding")):
         for f in dataclasses.fields(cls):
             meta = f.metadata.get("flag")
             if meta is None:

@@ -55,3 +55,13 @@ class LLM:
 
     def get_metrics(self) -> dict[str, Any]:
         return self.engine.get_metrics()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes now (they also stop when this process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -150,8 +150,10 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return torch.cat(outs)
 
 
-def detect(requested: str = "auto") -> Platform:
-    """Pick the platform: ``requested`` (or env ``SPECSERVE_DEVICE``) in auto | cuda | rocm | cpu."""
+def detect(requested: str = "auto", rank: int | None = None) -> Platform:
+    """Pick the platform: ``requested`` (or env ``SPECSERVE_DEVICE``) in auto | cuda | rocm | cpu. ``rank``:
+    a tensor-parallel rank's process, which takes visible GPU ``rank`` (modulo the count: a Ray actor sees
+    only its own)."""
     requested = os.environ.get("SPECSERVE_DEVICE", requested) if requested == "auto" else requested
     gpu_ok = torch.cuda.is_available()
     vendor = "rocm" if _hip_version() else "cuda"
@@ -169,6 +171,8 @@ def detect(requested: str = "auto") -> Platform:
         kernel = cpu_capability() in ("AVX2", "AVX512") and os.environ.get("SPECSERVE_ATTENTION", "cpu") == "cpu"
         return Platform("cpu", torch.device("cpu"), dtype, "cpu" if kernel else "torch", False, "gloo")
     use_triton = _triton_available() and os.environ.get("SPECSERVE_ATTENTION", "triton") == "triton"
+    if rank is not None:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     return Platform(
         kind=kind,
         device=torch.device("cuda", torch.cuda.current_device()),
@@ -212,15 +216,28 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def configure_threads() -> None:
+def visible_gpus() -> int:
+    """GPUs this process may use (either vendor); 0 on a CPU-only build or machine."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_tensor_parallel_devices(platform: Platform, size: int) -> None:
+    """A tensor-parallel size the local GPUs can hold with the ``mp`` executor (one GPU per rank)."""
+    if platform.is_gpu and size > visible_gpus():
+        raise SpecserveError(f"--tensor-parallel-size {size} needs {size} GPUs, but {visible_gpus()} are visible "
+                             f"(CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
+
+
+def configure_threads(ranks: int = 1) -> None:
     """Intra-op threads for CPU kernels: every core (``SPECSERVE_NUM_THREADS`` overrides).
 
     NOTE: measured on a 2-core AVX2 EPYC with the demo GGUF (quantized, C++ kernels), 1 vs 2 threads:
     a decode step 31.8 vs 23.9 ms (`benchmarks/step_cost.py --threads 1,2`); `specserve serve`, chat, 64
     tokens: 27-30 vs 36-38 tok/s one request at a time, 51 vs 80 tok/s with 8 concurrent requests. The
     event loop and the tokenizer do not need a core of their own, so none is left free.
+    With ``ranks`` tensor-parallel processes on one machine each takes its share of the cores.
     """
-    n = int(os.environ.get("SPECSERVE_NUM_THREADS", "0")) or available_cores()
+    n = int(os.environ.get("SPECSERVE_NUM_THREADS", "0")) or max(1, available_cores() // ranks)
     torch.set_num_threads(n)
 
 

@@ -110,6 +110,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._snapshot: dict[str, Any] = self._collect_metrics()
         self.num_step_errors = 0
+        # Why the engine can never step again (a tensor-parallel rank was lost), or None.
+        self.fatal: str | None = None
+        add_listener = getattr(engine, "add_failure_listener", None)
+        if add_listener is not None:
+            add_listener(self._on_fatal)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -132,7 +137,20 @@ class AsyncEngine:
                 log.warning("engine loop did not stop within %.0fs", timeout)
         # NOTE: once the loop thread is gone this thread may touch the engine: leave it clean for a successor.
         stopped = thread is None or not thread.is_alive()
-        self._fail_all(EngineClosedError("the engine was shut down"), abort_in_engine=stopped)
+        self._fail_all(EngineClosedError("the engine was shut down"), abort_in_engine=stopped and self.fatal is None)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()  # the tensor-parallel worker processes
+
+    def _on_fatal(self, reason: str) -> None:
+        """From another thread: the engine is broken for good. Every request ends now with the reason (the loop
+        thread may be stuck in a step, so the engine itself is not touched); nothing new is accepted."""
+        log.error("engine failed: %s", reason)
+        with self._lock:
+            self.fatal = reason
+            self._closed = True
+        self._wakeup.set()
+        self._fail_all(EngineStepError(f"the engine failed: {reason}"), abort_in_engine=False)
 
     @property
     def is_running(self) -> bool:

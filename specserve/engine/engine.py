@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import Any
 
 from specserve.config import EngineConfig
@@ -56,7 +57,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig, platform: Platform | None = None) -> None:
-        configure_threads()
+        configure_threads(config.parallel.tensor_parallel_size)
         self.config = config
         self.platform = platform or detect(config.model.device)
         target = load_checkpoint(config.model.model, keep_quantized=config.model.quantization != "none")
@@ -142,6 +143,15 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Release what outlives the object: the other tensor-parallel ranks (no-op without them)."""
+        self.runner.close()
+
+    def add_failure_listener(self, fn: Callable[[str], None]) -> None:
+        """``fn(reason)``, from another thread, when a tensor-parallel rank is lost: the engine cannot step
+        again."""
+        self.runner.add_failure_listener(fn)
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

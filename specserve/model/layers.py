@@ -95,9 +95,12 @@ class GatedMLP(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden, dtype=dtype, device=device),
                                     requires_grad=False)
         self.down = nn.Parameter(torch.empty(hidden, inter, dtype=dtype, device=device), requires_grad=False)
+        # Tensor parallel: the all-reduce of the row-parallel down projection's partial sums.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.linear(x, self.gate_up)  # [T, 2 * inter]
         gate, up = gu.split(self.inter, dim=-1)
         gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.linear(gate * up, self.down)
+        y = self.linear(gate * up, self.down)
+        return y if self.reduce is None else self.reduce(y)

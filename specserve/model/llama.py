@@ -22,6 +22,7 @@ from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from specserve.model.moe import SparseMoE
 from specserve.model.ops import TorchOps
 from specserve.model.quant import PackedWeight, QuantizedTensor, cat_rows
+from specserve.model.tensor_parallel import TensorParallel, local_arch, shard_tensor
 
 _TORCH_OPS = TorchOps()
 
@@ -51,6 +52,8 @@ class Attention(nn.Module):
         q_dim, k_dim = (self.q_size, self.kv_size) if arch.qk_norm_full else (arch.head_dim, arch.head_dim)
         self.q_norm = RMSNorm(q_dim, arch.rms_norm_eps, dtype, device) if arch.qk_norm else None
         self.k_norm = RMSNorm(k_dim, arch.rms_norm_eps, dtype, device) if arch.qk_norm else None
+        # Tensor parallel: the all-reduce of the row-parallel o projection's partial sums.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend, ops: TorchOps = _TORCH_OPS) -> torch.Tensor:
@@ -66,7 +69,8 @@ class Attention(nn.Module):
                                  self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, self.kv_size), v], dim=-1)
         q = ops.qkv_rope_write(qkv, positions, rope, self.num_heads, self.num_kv_heads, kv_cache, meta, backend)
         o = backend.attend(q, kv_cache, meta, self.scale, self.window)  # [T, H, D]
-        return self.linear(o.reshape(t, self.q_size), self.o)
+        y = self.linear(o.reshape(t, self.q_size), self.o)
+        return y if self.reduce is None else self.reduce(y)
 
 
 class DecoderLayer(nn.Module):
@@ -95,22 +99,31 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """``forward(input_ids, positions, kv_caches, meta) -> hidden`` over flat tokens; logits on request."""
+    """``forward(input_ids, positions, kv_caches, meta) -> hidden`` over flat tokens; logits on request.
+
+    With ``tp`` (``model/tensor_parallel.py``) the model is one rank's slice: its layers are built from the
+    slice's architecture (``self.local``), two all-reduces per layer join the partial sums, and the
+    embedding and LM head hold a slice of the vocabulary. ``self.arch`` stays the whole model's."""
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                  max_positions: int, linear: Linear = F.linear, ops: TorchOps = _TORCH_OPS, moe_kernel: str = "torch",
-                 float_linear: Linear = F.linear) -> None:
+                 float_linear: Linear = F.linear, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.arch, self.dtype, self.device, self.backend, self.linear = arch, dtype, device, backend, linear
+        self.tp = tp
+        self.local = local = local_arch(arch, tp.spec) if tp is not None else arch
         self.ops = ops  # model/ops.py: residual + norm, rope + KV write (fused on CPU in fp32)
-        self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        self.embed = _param(local.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         # The scale rounded to the model's dtype first, as HF's Gemma does; a Python float: no tensor per step.
         self.embed_scale = float(torch.tensor(arch.embed_scale, dtype=dtype))
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, linear, i, moe_kernel, float_linear)
+        self.layers = nn.ModuleList(DecoderLayer(local, dtype, device, linear, i, moe_kernel, float_linear)
                                     for i in range(arch.num_layers))
+        if tp is not None:
+            for layer in self.decoder_layers:
+                layer.attn.reduce = layer.mlp.reduce = tp.comm.all_reduce
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.lm_head = self.embed if arch.tie_word_embeddings else \
-            _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+            _param(local.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         rope_dtype = torch.float32 if dtype == torch.float32 else dtype
         self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, rope_dtype,
                                     device)
@@ -154,22 +167,36 @@ class LlamaModel(nn.Module):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: the (scaled) token embeddings, the first layer's input."""
-        h = F.embedding(input_ids, self.embed)
+        tp = self.tp
+        if tp is None:
+            h = F.embedding(input_ids, self.embed)
+        else:  # this rank's vocabulary rows; the other ranks' tokens are zeros here and come in the all-reduce
+            start, end = tp.spec.vocab
+            mine = (input_ids >= start) & (input_ids < end)
+            h = F.embedding((input_ids - start).clamp_(0, end - start - 1), self.embed) * mine.unsqueeze(-1)
+            h = tp.comm.all_reduce(h)
         return h if self.embed_scale == 1.0 else h * self.embed_scale
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden, self.lm_head).float()  # [N, vocab]
+        logits = self.linear(hidden, self.lm_head).float()  # [N, vocab] (tensor parallel: this rank's rows)
+        if self.tp is None:
+            return logits
+        return self.tp.comm.all_gather_last(logits)[:, :self.arch.vocab_size]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """The LM head as a float [vocab, hidden] tensor, also when it is packed (dequantized on each call:
-        for start-up and training, not for a step)."""
+        for start-up and training, not for a step). Tensor parallel: gathered from every rank, which must
+        all call it."""
         head = self.lm_head
-        return head.dequantize(self.dtype) if isinstance(head, PackedWeight) else head
+        w = head.dequantize(self.dtype) if isinstance(head, PackedWeight) else head
+        if self.tp is None:
+            return w
+        return self.tp.comm.all_gather_last(w.t().contiguous()).t()[:self.arch.vocab_size]  # a collective
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        return (2, num_blocks, block_size, self.local.num_kv_heads, self.arch.head_dim)
 
     # -- weights ---------------------------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, Any], packer: Packer | None = None) -> None:
@@ -179,22 +206,27 @@ class LlamaModel(nn.Module):
         the LM head and (on the torch MoE path) each expert included, is replaced by its packed form; the
         embedding table and MoE routers stay float.
         """
-        def get(name: str) -> Any:
+        tp, head_dim = self.tp, self.arch.head_dim
+
+        def get(name: str, role: str | None = None) -> Any:
             if name not in state_dict:
                 raise CheckpointError(f"missing tensor {name}")
             t = state_dict[name]
+            if tp is not None and role is not None:
+                t = shard_tensor(t, role, tp.spec, head_dim)
             return t.dequantize() if isinstance(t, QuantizedTensor) and packer is None else t
 
-        def fused(names: tuple[str, ...]) -> Any:
-            parts = [get(n) for n in names]
+        def fused(names: tuple[str, ...], roles: tuple[str | None, ...] = ()) -> Any:
+            parts = [get(n, r) for n, r in zip(names, roles or (None,) * len(names))]
             if len(parts) == 1:
                 return parts[0]
             if any(isinstance(t, QuantizedTensor) for t in parts):
                 return cat_rows([t if isinstance(t, QuantizedTensor) else _float_as(t, parts) for t in parts])
             return torch.cat(parts, dim=0)
 
-        def put(module: nn.Module, attr: str, *names: str, matmul: bool = False) -> None:
-            src, dst = fused(names), getattr(module, attr)
+        def put(module: nn.Module, attr: str, *names: str, matmul: bool = False,
+                roles: tuple[str | None, ...] = ()) -> None:
+            src, dst = fused(names, roles), getattr(module, attr)
             if tuple(src.shape) != tuple(dst.shape):
                 raise CheckpointError(f"tensor {names[0]} has shape {tuple(src.shape)}, expected "
                                       f"{tuple(dst.shape)} from the model config")
@@ -205,36 +237,42 @@ class LlamaModel(nn.Module):
                 dst.copy_((src.dequantize() if isinstance(src, QuantizedTensor) else src).to(dst.dtype))
 
         with torch.no_grad():
-            put(self, "embed", "model.embed_tokens.weight")
+            put(self, "embed", "model.embed_tokens.weight", roles=("vocab",))
             if packer is not None or not self.arch.tie_word_embeddings:
                 head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
-                put(self, "lm_head", head, matmul=True)
+                put(self, "lm_head", head, matmul=True, roles=("vocab",))
             put(self.norm, "weight", "model.norm.weight")
             moe = family(self.arch.architecture).moe
             for i, layer in enumerate(self.decoder_layers):
                 p = f"model.layers.{i}."
                 a = p + "self_attn."
-                put(layer.attn, "qkv", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", matmul=True)
+                qkv_roles = ("q", "kv", "kv")
+                put(layer.attn, "qkv", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", matmul=True,
+                    roles=qkv_roles)
                 if layer.attn.qkv_bias is not None:
-                    put(layer.attn, "qkv_bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
-                put(layer.attn, "o", a + "o_proj.weight", matmul=True)
+                    put(layer.attn, "qkv_bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias",
+                        roles=qkv_roles)
+                put(layer.attn, "o", a + "o_proj.weight", matmul=True, roles=("o",))
                 if layer.attn.q_norm is not None and layer.attn.k_norm is not None:
                     put(layer.attn.q_norm, "weight", a + "q_norm.weight")
                     put(layer.attn.k_norm, "weight", a + "k_norm.weight")
                 if isinstance(layer.mlp, GatedMLP):
-                    put(layer.mlp, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", matmul=True)
-                    put(layer.mlp, "down", p + "mlp.down_proj.weight", matmul=True)
+                    put(layer.mlp, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", matmul=True,
+                        roles=("ffn_out", "ffn_out"))
+                    put(layer.mlp, "down", p + "mlp.down_proj.weight", matmul=True, roles=("ffn_in",))
                 else:  # sparse MoE: float stacks [E, rows, cols], or packed per expert on the torch path
                     assert moe is not None
                     mlp = layer.mlp
                     mlp.gate.copy_(_float(get(p + moe.router)))
                     names = [(p + moe.gate.format(e=e), p + moe.up.format(e=e), p + moe.down.format(e=e))
                              for e in range(self.arch.num_experts)]
+                    out, inn = ("moe_out", "moe_out"), "moe_in"
                     if packer is not None and mlp.kernel == "torch":
-                        mlp.pack_experts([(packer(fused((g, u)), g), packer(get(d), d)) for g, u, d in names])
+                        mlp.pack_experts([(packer(fused((g, u), out), g), packer(get(d, inn), d))
+                                          for g, u, d in names])
                     else:
-                        mlp.gate_up.copy_(torch.stack([_float(fused((g, u))) for g, u, _ in names]))
-                        mlp.down.copy_(torch.stack([_float(get(d)) for _, _, d in names]))
+                        mlp.gate_up.copy_(torch.stack([_float(fused((g, u), out)) for g, u, _ in names]))
+                        mlp.down.copy_(torch.stack([_float(get(d, inn)) for _, _, d in names]))
                 put(layer.input_norm, "weight", p + "input_layernorm.weight")
                 if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
                     put(layer.attn_out_norm, "weight", p + "post_attention_layernorm.weight")

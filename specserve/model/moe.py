@@ -26,6 +26,7 @@ Weights: ``gate`` [E, hidden] is HF's ``mlp.gate.weight`` (Mixtral: ``block_spar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -60,6 +61,8 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device),
                                  requires_grad=False)
         self.packed: nn.ModuleList | None = None  # per expert (gate_up, down) packed weights (pack_experts)
+        # Tensor parallel: the all-reduce of the experts' partial sums (each rank holds a slice of every expert).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def pack_experts(self, experts: list[tuple[nn.Module, nn.Module]]) -> None:
         """Run the experts on packed weights (``model/quant.py``: ``(gate_up, down)`` per expert, each called as
@@ -84,8 +87,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         if self.kernel == "triton":
-            return self._fused_experts(x, self.gate_up, self.down, weights, ids)
-        return self._experts_torch(x, weights, ids)
+            y = self._fused_experts(x, self.gate_up, self.down, weights, ids)
+        else:
+            y = self._experts_torch(x, weights, ids)
+        return y if self.reduce is None else self.reduce(y)
 
     def _experts_torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         T, k = ids.shape

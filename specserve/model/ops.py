@@ -101,6 +101,7 @@ def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[Any, ..
         return cached[1]
     mats: tuple[Any, ...] = (a.qkv, a.o, mlp.gate_up, mlp.down)
     ok = (all(isinstance(w, CpuQuantWeight) for w in mats) and a.q_norm is None and layer.input_norm.chunks == 1
+          and a.reduce is None and mlp.reduce is None
           and layer.attn_out_norm is None and isinstance(mlp, GatedMLP) and mlp.act == "silu"
           and layer.post_norm.chunks == 1 and kv_cache.shape[-1] % 8 == 0 and kv_cache.dtype == torch.float32
           and layer.input_norm.eps == layer.post_norm.eps)

@@ -249,6 +249,18 @@ def make_packer(mode: str, kernels: str | None, state_dict: dict, device: torch.
     return packer
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights: parameters and the buffers packed weights keep (codes, scales, mins)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + [b for m in model.modules() if isinstance(m, PackedWeight)
+                                         for b in m.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
 def describe_weights(model: nn.Module) -> str:
     """One start-up line: how many matmul weights of each kind, and their bytes."""
     kinds: dict[str, list[int]] = {}

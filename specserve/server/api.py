@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from types import FrameType
@@ -211,6 +212,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        if state.engine.fatal is not None:
+            return APIError(503, f"the engine failed: {state.engine.fatal}", "server_error").response()
         if not state.engine.is_running:
             return APIError(503, "the engine loop is not running", "server_error").response()
         if state.draining:
@@ -282,6 +285,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
 # -- entry point ---------------------------------------------------------------------------------------------
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
+# After a fatal engine failure (a lost tensor-parallel rank) the server answers 503 for this long, so that
+# balancers and clients polling /health see it, then exits with status 1.
+FATAL_EXIT_DELAY_S = 2.0
 
 
 def run_server(model: str | None, engine_kwargs: dict[str, Any], args: Any) -> int:
@@ -310,6 +316,9 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], args: Any) -> i
     server.run()
     if not server.started:
         return 1  # uvicorn logged why (e.g. the port is in use)
+    if state.engine.fatal is not None:
+        print(f"specserve: exiting: {state.engine.fatal}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -331,6 +340,12 @@ class _GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
+        fatal = self.state.engine.fatal
+        if fatal is not None and not self.should_exit:  # the engine cannot step again: exit non-zero, soon
+            now = time.monotonic()
+            self._fatal_at = getattr(self, "_fatal_at", None) or now
+            if now - self._fatal_at >= FATAL_EXIT_DELAY_S:  # /health answers 503 meanwhile
+                self.should_exit = True
         should_exit: bool = await super().on_tick(counter)
         if should_exit and self._drain is None:
             self._drain = asyncio.create_task(self.state.drain(self.grace))

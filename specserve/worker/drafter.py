@@ -23,6 +23,7 @@ from specserve.model.attention import make_backend
 from specserve.model.eagle_head import EagleHead, load_eagle_head
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import load_checkpoint
+from specserve.model.tensor_parallel import TensorParallel
 from specserve.platform import Platform
 from specserve.request import SpecStats
 from specserve.spec_decode.controller import FREE_SOURCES, GRAMMAR_SOURCE, SpecController
@@ -33,6 +34,7 @@ from specserve.spec_decode.ngram import NgramProposer, lookup
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
 from specserve.worker.features import FeatureBuffer, eagle_step
 from specserve.worker.graphs import GraphPlan, ModelStep
+from specserve.worker.tensor_parallel import Mirror
 
 # Builds a model the way the target was built (dtype, quantization, attention backend, kernels).
 ModelBuilder = Callable[..., LlamaModel]
@@ -44,8 +46,11 @@ class Drafter:
     budget needs their size), ``start`` gets the KV tensors and the graph plan and builds the proposer."""
 
     def __init__(self, config: EngineConfig, platform: Platform, dtype: torch.dtype, target: LlamaModel,
-                 max_positions: int, build: ModelBuilder) -> None:
+                 max_positions: int, build: ModelBuilder, mirror: Mirror | None = None) -> None:
         self.config = config
+        # Tensor parallel (worker/tensor_parallel.py): model calls on sharded models are mirrored to the
+        # other ranks; a draft model at draft_tensor_parallel_size 1 runs on rank 0 alone.
+        self.mirror = mirror or Mirror(None)
         self.spec_config = config.speculative
         self.platform = platform
         self.dtype = dtype
@@ -73,6 +78,9 @@ class Drafter:
         if spec_config.method == "draft":
             ckpt = load_checkpoint(spec_config.model or "", keep_quantized=self.config.model.quantization != "none")
             check_draft_vocabulary(spec_config.model or "", arch, ckpt.arch)
+            tp = self.target.tp
+            if tp is not None and self.config.draft_tensor_parallel_size > 1:
+                return self.build(ckpt, TensorParallel.create(ckpt.arch, tp.comm))
             return self.build(ckpt)
         if spec_config.method == "eagle":
             return load_eagle_head(spec_config.model or "", arch, self.target.lm_head_weight, self.dtype,
@@ -106,17 +114,19 @@ class Drafter:
         if spec_config.method == "draft":
             assert isinstance(self.model, LlamaModel)
             step = self._logits_step(self.model, self.kv_caches, block_size, None)
+            if self.model.tp is not None:
+                step = self.mirror.wrap("draft", step)
             return DraftModelProposer(self._timed(step), shares_target_kv=False, vocab_size=arch.vocab_size)
         if spec_config.method == "eagle":
             assert isinstance(self.model, EagleHead)
-            step = eagle_step(self.target, self.model, self.kv_caches[0], block_size, device)
+            step = self.mirror.wrap("eagle", eagle_step(self.target, self.model, self.kv_caches[0], block_size, device))
             return EagleProposer(self._timed(step), arch.hidden_size * self.model.cfg.num_feature_layers,
                                  arch.vocab_size)
         if spec_config.method == "layer_skip":
             layers = spec_config.draft_layers or max(1, arch.num_layers // 4)
             if layers >= arch.num_layers:
                 raise SpecserveError(f"--draft-layers {layers} must be below the target's {arch.num_layers} layers")
-            step = self._logits_step(self.target, target_kv[:layers], block_size, layers)
+            step = self.mirror.wrap("layer_skip", self._logits_step(self.target, target_kv[:layers], block_size, layers))
             return DraftModelProposer(self._timed(step), shares_target_kv=True, vocab_size=arch.vocab_size)
         raise SpecserveError(f"speculative method {spec_config.method!r} is not available in this build")
 

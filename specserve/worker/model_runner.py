@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,18 +21,20 @@ from specserve.config import EngineConfig, SpecserveError
 from specserve.model.attention import make_backend
 from specserve.model.eagle_head import EagleHead
 from specserve.model.llama import LlamaModel
-from specserve.model.loader import Checkpoint
+from specserve.model.loader import Checkpoint, load_checkpoint
 from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear
+from specserve.model.tensor_parallel import Comm, TensorParallel, check_tensor_parallel
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from specserve.platform import Platform, resolve_dtype, to_device
+from specserve.platform import Platform, check_tensor_parallel_devices, resolve_dtype, to_device
 from specserve.sample.grammar import GrammarState
 from specserve.sample.rejection_sampler import verify
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
 from specserve.spec_decode.proposer import ProposeRequest
 from specserve.worker.drafter import Drafter
 from specserve.worker.features import FeatureSink, sink_features
-from specserve.worker.graphs import CaptureBackend, GraphPlan, ModelStep, batch_buckets, select_capture
+from specserve.worker.graphs import CaptureBackend, GraphPlan, ModelStep, StepOutput, batch_buckets, select_capture
+from specserve.worker.tensor_parallel import Mirror, WorkerGroup
 
 log = logging.getLogger("specserve")
 
@@ -49,22 +53,48 @@ class CachedRequest:
 
 
 def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int,
-                quantization: str = "none") -> LlamaModel:
-    """The model with its weights; with ``quantization`` (model/quant.py) its matmuls on packed weights."""
+                quantization: str = "none", tp: TensorParallel | None = None) -> LlamaModel:
+    """The model with its weights; with ``quantization`` (model/quant.py) its matmuls on packed weights;
+    with ``tp`` one rank's slice of it."""
     packer = make_packer(quantization, platform.quant_kernels, ckpt.state_dict, platform.device, dtype,
                          platform.linear(dtype))
     model = LlamaModel(ckpt.arch, dtype, platform.device, make_backend(platform.attention_backend),
                        max_positions, platform.linear(dtype) if packer is None else packed_linear,
                        make_ops(platform.device, dtype, platform.attention_backend), platform.moe_kernel,
-                       platform.linear(dtype))
+                       platform.linear(dtype), tp)
     model.load_weights(ckpt.state_dict, packer)
     log.info("weights: %s", describe_weights(model))
     return model.eval()
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, platform: Platform, target: Checkpoint) -> None:
+    """Rank 0's runner, or with ``comm`` a follower rank's (``worker/tensor_parallel.py``: it builds the same
+    slices and runs the model calls rank 0 mirrors to it). Rank 0 of a tensor-parallel engine starts the
+    other ranks itself."""
+
+    def __init__(self, config: EngineConfig, platform: Platform, target: Checkpoint, comm: Comm | None = None,
+                 msg_group: Any = None) -> None:
+        self.group: WorkerGroup | None = None
+        if comm is None and config.parallel.tensor_parallel_size > 1:
+            preflight_tensor_parallel(config, platform, target)
+            self.group = WorkerGroup(config, platform.dist_backend)
+            comm, msg_group = self.group.comm, self.group.msg_group
+        try:
+            self._init(config, platform, target, comm, msg_group)
+        except BaseException as e:
+            if self.group is not None:
+                better = self.group.startup_error(e)
+                self.group.close(None)
+                if better is not None:
+                    raise better from e
+            raise
+
+    def _init(self, config: EngineConfig, platform: Platform, target: Checkpoint, comm: Comm | None,
+              msg_group: Any) -> None:
         self.config = config
+        self.comm = comm
+        self.mirror = Mirror(comm, msg_group, platform.device)
+        self.tp = TensorParallel.create(target.arch, comm) if comm is not None else None
         self.platform = platform
         self.device = platform.device
         self.dtype = resolve_dtype(platform, config.model.dtype)
@@ -73,17 +103,20 @@ class ModelRunner:
         self.arch = target.arch
         self.max_model_len = config.model.max_model_len or target.arch.max_position_embeddings
         self.block_size = config.cache.block_size
-        self.model = self._build(target)
+        self.model = self._build(target, self.tp)
         self.weights_note = describe_weights(self.model)  # e.g. "210 int4 matmuls 61 MiB, 1 int8 matmuls 27 MiB"
-        # Speculation (draft weights, proposer, controller): None when --speculative-* is off.
-        self.drafter = Drafter(config, platform, self.dtype, self.model, self.max_model_len + 64, self._build) \
-            if config.speculative.enabled else None
+        # Speculation (draft weights, proposer, controller): None when --speculative-* is off, and on a
+        # follower rank that mirrors no draft call (ngram; a draft model on rank 0 alone).
+        self.drafter = Drafter(config, platform, self.dtype, self.model, self.max_model_len + 64, self._build,
+                               self.mirror) if config.speculative.enabled and self._drafts_here() else None
         # Receives the target's pre-norm features of every row (a drafter that reads them; `specserve distill`
         # sets its own through observe_features).
         self.feature_sink: FeatureSink | None = \
             self._keep_features if self.drafter is not None and self.drafter.reads_features else None
         self.num_blocks = self._num_blocks()
-        capture, graphs_note = select_capture(platform, config.model.enforce_eager)
+        # NOTE: graphs are not captured under tensor parallel (collectives inside a captured graph are not
+        # set up); the ranks run eager.
+        capture, graphs_note = select_capture(platform, config.model.enforce_eager or comm is not None)
         self.graph_plan = self._graph_plan(capture) if capture is not None else None
         self.kv_caches = self._alloc_kv(self.model)
         self.target_step = ModelStep(self.model, self.kv_caches, self.block_size, self.device,
@@ -92,16 +125,27 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.start(self._alloc_kv, self.kv_caches, self.block_size, self.graph_plan)
         self.requests: dict[str, CachedRequest] = {}
+        self._target_call = self.mirror.wrap("target", self._forward)
 
     # -- start-up -------------------------------------------------------------------------------------------
-    def _build(self, ckpt: Checkpoint) -> LlamaModel:
-        return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64, self.config.model.quantization)
+    def _build(self, ckpt: Checkpoint, tp: TensorParallel | None = None) -> LlamaModel:
+        return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64, self.config.model.quantization,
+                           tp)
+
+    def _drafts_here(self) -> bool:
+        """Whether this rank needs a drafter: always on rank 0; on a follower only for mirrored draft calls."""
+        if self.mirror.leader:
+            return True
+        method = self.config.speculative.method
+        return method in ("layer_skip", "eagle") or (method == "draft" and self.config.draft_tensor_parallel_size > 1)
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block on this rank, target and draft (a tensor-parallel rank holds its KV heads)."""
         per = 0
         for m in (self.model, self.drafter.model if self.drafter is not None else None):
             if m is not None:
-                per += 2 * m.arch.num_layers * m.arch.num_kv_heads * m.arch.head_dim * self.dtype.itemsize
+                shape = m.kv_cache_shape(1, 1)
+                per += m.arch.num_layers * math.prod(shape) * self.dtype.itemsize
         return per * self.block_size
 
     def _num_blocks(self) -> int:
@@ -122,6 +166,10 @@ class ModelRunner:
             else:
                 budget = mem
             n = int(budget // per_block)
+        if self.comm is not None:  # every rank the same count: the smallest any rank can hold
+            t = torch.tensor([n], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+            n = int(t.item())
         if n * self.block_size < self.block_size * 2:
             raise SpecserveError(f"KV cache too small: {n} blocks of {self.block_size} tokens")
         draft_note = ""
@@ -171,6 +219,14 @@ class ModelRunner:
         return self.drafter is not None and self.drafter.writes_kv
 
     # -- one step -------------------------------------------------------------------------------------------
+    def _forward(self, token_ids: list[tuple[int, ...]], starts: list[int], block_ids: list[tuple[int, ...]],
+                 prenorm: bool, logits_at: list[int]) -> tuple[StepOutput, torch.Tensor | None]:
+        """The target forward and the logits at ``logits_at`` (flat token indices): one mirrored call."""
+        out = self.target_step(token_ids, starts, block_ids, prenorm=prenorm)
+        if not logits_at:
+            return out, None
+        return out, self.model.compute_logits(out.hidden[to_device(logits_at, self.device, torch.int64)])
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._sync_requests(so)
         rows = so.rows
@@ -179,16 +235,14 @@ class ModelRunner:
         drafter = self.drafter
         t0, captures = time.perf_counter(), drafter.num_captures() if drafter is not None else 0
         sink = self.feature_sink
-        out = self.target_step([r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
-                               [r.block_ids for r in rows], prenorm=sink is not None)
-        hidden, prenorm = out.hidden, out.prenorm  # [T, hidden]; prenorm: the last layer's output, pre-norm
         sample_rows = [r for r in rows if r.needs_sample]
-        if not sample_rows:
+        out, logits = self._target_call([r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
+                                        [r.block_ids for r in rows], sink is not None, self._logits_indices(rows))
+        prenorm = out.prenorm  # [T, hidden]: the last layer's output, pre-norm (when a sink wants it)
+        if logits is None:  # no row samples this step (prefill chunks only)
             if sink is not None and prenorm is not None:
                 sink_features(rows, {}, prenorm, sink)
             return ModelRunnerOutput({}, {})
-        idx = to_device(self._logits_indices(rows), self.device, torch.int64)
-        logits = self.model.compute_logits(hidden[idx])  # [sum(k_i + 1), V]
         cached = [self.requests[r.req_id] for r in sample_rows]
         states = [c.state for c in cached]
         counts = [r.num_spec_tokens + 1 for r in sample_rows]
@@ -287,6 +341,29 @@ class ModelRunner:
         for req_id, d in drafts.items():
             self.requests[req_id].draft_probs = d.probs
         return {req_id: d.token_ids for req_id, d in drafts.items()}
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (no-op without them)."""
+        if self.group is not None:
+            self.group.close(self.mirror)
+
+    def add_failure_listener(self, fn: Callable[[str], None]) -> None:
+        """``fn(reason)`` when a tensor-parallel rank is lost (never called without tensor parallel)."""
+        if self.group is not None:
+            self.group.add_failure_listener(fn)
+
+
+def preflight_tensor_parallel(config: EngineConfig, platform: Platform, target: Checkpoint) -> None:
+    """Everything that can be checked before any worker starts: the model splits over the ranks (the draft
+    too, when it is split), and the mp executor has a GPU per rank."""
+    size = config.parallel.tensor_parallel_size
+    check_tensor_parallel(target.arch, size, "the target")
+    spec = config.speculative
+    if spec.method == "draft" and config.draft_tensor_parallel_size > 1:
+        draft = load_checkpoint(spec.model or "", keep_quantized=True)
+        check_tensor_parallel(draft.arch, size, "the draft model")
+    if config.parallel.distributed_executor_backend == "mp":
+        check_tensor_parallel_devices(platform, size)
 
 
 def _available_memory(platform: Platform) -> float:

@@ -1,0 +1,447 @@
+"""Tensor parallel across processes: rank 0 is the engine's own worker, ranks 1..N-1 follow it.
+
+Every rank builds the same ``ModelRunner`` over its slice of the weights (``model/tensor_parallel.py``).
+Rank 0 runs the engine: the scheduler, sampling and verification, the controller, the proposers' logic.
+Every model call it makes on a sharded model (the target step with its logits, layer-skip and sharded
+draft steps, EAGLE head steps) is a *mirrored call*:
+- rank 0 broadcasts the call's key and arguments once (a pickled message on a gloo group);
+- the other ranks, waiting in ``Mirror.follow``, run the same call on their slices;
+- so every all-reduce and all-gather inside the call meets its peers.
+The ranks see only model inputs (token ids, positions, block ids): requests, sampling and the accepted
+tokens live on rank 0, so every rank agrees on them by construction. A draft model at
+``draft_tensor_parallel_size`` 1 lives on rank 0 alone and its calls are not mirrored.
+
+Executors start ranks 1..N-1: ``mp`` spawns local processes (one GPU each), ``ray`` places actors with a
+placement group on a running Ray cluster. Ray places processes and keeps them alive; the collectives are
+torch.distributed's (``Platform.dist_backend``: gloo on CPU, NCCL on CUDA, RCCL through the nccl name on
+ROCm). A monitor thread watches the workers: one that exits or dies is logged with its rank and cause,
+the rest are stopped, and the failure listeners (the server) are told.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from specserve.config import EngineConfig, SpecserveError
+from specserve.model.tensor_parallel import Comm
+
+log = logging.getLogger("specserve")
+
+_STOP = "__stop__"
+# Collectives of a step that wait longer than this fail (a rank that hangs); the message group waits for
+# ever (the followers idle between requests).
+TIMEOUT_ENV = "SPECSERVE_TP_TIMEOUT_S"
+STARTUP_TIMEOUT_S = 600.0
+
+
+def op_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "300")))
+
+
+class Mirror:
+    """Mirrored model calls (module docstring). Without a group (``comm`` None) ``wrap`` returns the call."""
+
+    def __init__(self, comm: Comm | None, msg_group: Any = None, device: torch.device | None = None) -> None:
+        self.comm, self.msg_group, self.device = comm, msg_group, device
+        self.calls: dict[str, Callable[..., Any]] = {}
+        self.busy_since: float | None = None
+
+    @property
+    def leader(self) -> bool:
+        return self.comm is None or self.comm.rank == 0
+
+    def wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if self.comm is None:
+            return fn
+        if key in self.calls:
+            raise ValueError(f"mirrored call {key!r} registered twice")
+        self.calls[key] = fn
+        if not self.leader:
+            return fn
+
+        def call(*args: Any) -> Any:
+            self._send((key, _to_host(args)))
+            return fn(*args)
+        return call
+
+    def _send(self, msg: Any) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([msg], src=0, group=self.msg_group)
+
+    def follow(self) -> None:
+        """Ranks > 0: run the calls rank 0 makes until it stops the group."""
+        import torch.distributed as dist
+
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=self.msg_group)
+            key, args = box[0]
+            if key == _STOP:
+                return
+            self.calls[key](*_to_device(args, self.device))
+
+    def stop(self) -> None:
+        if self.comm is not None and self.leader:
+            self._send((_STOP, ()))
+
+
+def _to_host(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_host(v) for v in x)
+    return x
+
+
+def _to_device(x: Any, device: torch.device | None) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device) if device is not None else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_device(v, device) for v in x)
+    return x
+
+
+# -- rank 0: the group ------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is gone"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerGroup:
+    """Rank 0's handle on ranks 1..N-1: starts them, joins the process group, watches them, stops them."""
+
+    def __init__(self, config: EngineConfig, dist_backend: str) -> None:
+        import torch.distributed as dist
+
+        self.size = config.parallel.tensor_parallel_size
+        self.backend = config.parallel.distributed_executor_backend
+        self.failure: str | None = None
+        self._listeners: list[Callable[[str], None]] = []
+        self._closing = False
+        self._lock = threading.Lock()
+        self.workers: _Executor = _RayExecutor() if self.backend == "ray" else _MpExecutor()
+        host = self.workers.host()
+        port = _free_port()
+        store = dist.TCPStore(host, port, self.size, is_master=True,
+                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
+        self.workers.start(config, self.size, host, port)
+        try:
+            self._wait_ready(store)
+            dist.init_process_group(dist_backend, store=store, rank=0, world_size=self.size, timeout=op_timeout())
+            self.msg_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
+        except BaseException:
+            self.workers.kill()
+            raise
+        self.comm = Comm(0, self.size, dist_backend)
+        self._monitor = threading.Thread(target=self._watch, name="specserve-tp-monitor", daemon=True)
+        self._monitor.start()
+        log.info("tensor parallel: %d ranks over %s (%s executor)", self.size, dist_backend, self.backend)
+
+    def _wait_ready(self, store: Any) -> None:
+        """Every rank checks in on the store before the process group forms; a worker that dies first is
+        reported with its rank instead of a rendezvous timeout."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        keys = [f"ready{r}" for r in range(1, self.size)]
+        while not store.check(keys):
+            dead = self.workers.dead()
+            if dead:
+                rank, why = dead[0]
+                raise SpecserveError(f"tensor-parallel worker rank {rank} {why} during start-up (its log is above)")
+            if time.monotonic() > deadline:
+                raise SpecserveError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    def startup_error(self, e: BaseException) -> SpecserveError | None:
+        """A clearer error for a collective that failed while the model was being built: the dead rank."""
+        time.sleep(0.5)
+        dead = self.workers.dead()
+        if dead:
+            rank, why = dead[0]
+            return SpecserveError(f"tensor-parallel worker rank {rank} {why} while loading (its log is above): {e}")
+        return None
+
+    def add_failure_listener(self, fn: Callable[[str], None]) -> None:
+        with self._lock:
+            self._listeners.append(fn)
+            failure = self.failure
+        if failure is not None:
+            fn(failure)
+
+    def _watch(self) -> None:
+        while not self._closing:
+            dead = self.workers.wait_dead(0.5)
+            if dead and not self._closing:
+                rank, why = dead[0]
+                self._fail(f"tensor-parallel worker rank {rank} {why}")
+                return
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = reason
+            listeners = list(self._listeners)
+        log.error("%s; stopping the other ranks", reason)
+        self.workers.kill()  # the survivors would wait for the dead rank in their next collective
+        for fn in listeners:
+            try:
+                fn(reason)
+            except Exception:
+                log.exception("failure listener failed")
+
+    def close(self, mirror: Mirror | None, timeout: float = 10.0) -> None:
+        """Stop the followers (they leave ``follow``), wait for them, kill what is left."""
+        import torch.distributed as dist
+
+        if self._closing:
+            return
+        self._closing = True
+        if self.failure is None and mirror is not None:
+            try:
+                mirror.stop()
+            except Exception:
+                log.warning("tensor parallel: could not send stop to the workers", exc_info=True)
+        self.workers.join(timeout)
+        self.workers.kill()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                log.debug("destroy_process_group failed", exc_info=True)
+
+
+class _Executor:
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    def start(self, config: EngineConfig, size: int, host: str, port: int) -> None:
+        raise NotImplementedError
+
+    def dead(self) -> list[tuple[int, str]]:
+        """(rank, why) of workers that are gone."""
+        raise NotImplementedError
+
+    def wait_dead(self, timeout: float) -> list[tuple[int, str]]:
+        time.sleep(timeout)
+        return self.dead()
+
+    def join(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+
+class _MpExecutor(_Executor):
+    """Local worker processes: ``python -m specserve.worker.tensor_parallel``, a fresh interpreter each (no
+    forked torch state, and unlike multiprocessing's spawn the caller's script is not imported again)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, config: EngineConfig, size: int, host: str, port: int) -> None:
+        for rank in range(1, size):
+            p = subprocess.Popen([sys.executable, "-m", "specserve.worker.tensor_parallel"], stdin=subprocess.PIPE)
+            assert p.stdin is not None
+            p.stdin.write(pickle.dumps((config, rank, size, host, port, os.getpid())))
+            p.stdin.close()
+            self.procs.append(p)
+
+    def dead(self) -> list[tuple[int, str]]:
+        return [(i + 1, _describe_exit(p.returncode)) for i, p in enumerate(self.procs) if p.poll() is not None]
+
+    def wait_dead(self, timeout: float) -> list[tuple[int, str]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = self.dead()
+            if dead:
+                return dead
+            time.sleep(0.05)
+        return self.dead()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                log.error("tensor-parallel worker pid %d did not die", p.pid)
+
+
+class _RayExecutor(_Executor):
+    """Ray actors, one per rank > 0, in a placement group on the cluster at RAY_ADDRESS (or ``auto``)."""
+
+    def __init__(self) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise SpecserveError("--distributed-executor-backend ray needs Ray: pip install 'specserve[ray]'") from None
+        self.ray = ray
+        address = os.environ.get("RAY_ADDRESS", "auto")
+        if not ray.is_initialized():
+            try:
+                ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+            except (ConnectionError, RuntimeError) as e:
+                raise SpecserveError(f"--distributed-executor-backend ray: no Ray cluster reachable at "
+                                     f"{address!r} (start one with `ray start --head`, or set RAY_ADDRESS): {e}"
+                                     ) from None
+        self.actors: list[Any] = []
+        self.refs: list[Any] = []
+        self.pg: Any = None
+        self._dead: dict[int, str] = {}
+
+    def host(self) -> str:
+        return str(self.ray.util.get_node_ip_address())
+
+    def start(self, config: EngineConfig, size: int, host: str, port: int) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpu = torch.cuda.is_available() and config.model.device != "cpu"
+        bundle = {"GPU": 1.0} if gpu else {"CPU": 1.0}
+        self.pg = placement_group([bundle] * (size - 1), strategy="PACK")
+        ready, _ = self.ray.wait([self.pg.ready()], timeout=60)
+        if not ready:
+            self.ray.util.remove_placement_group(self.pg)
+            raise SpecserveError(f"the Ray cluster cannot place {size - 1} workers with {bundle} each "
+                                 f"(`ray status` shows its resources)")
+        worker = self.ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(_RayWorker)
+        for rank in range(1, size):
+            actor = worker.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=rank - 1)).remote()
+            self.actors.append(actor)
+            self.refs.append(actor.run.remote(config, rank, size, host, port))
+
+    def _poll(self, timeout: float) -> None:
+        pending = [r for i, r in enumerate(self.refs) if i + 1 not in self._dead]
+        if not pending:
+            return
+        done, _ = self.ray.wait(pending, num_returns=1, timeout=timeout)
+        for ref in done:
+            rank = self.refs.index(ref) + 1
+            try:
+                self.ray.get(ref)
+                self._dead[rank] = "exited"
+            except Exception as e:  # RayActorError: the actor's process died
+                self._dead[rank] = f"died ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+    def dead(self) -> list[tuple[int, str]]:
+        self._poll(0)
+        return sorted(self._dead.items())
+
+    def wait_dead(self, timeout: float) -> list[tuple[int, str]]:
+        self._poll(timeout)
+        return sorted(self._dead.items())
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout)
+        except Exception:
+            pass
+
+    def kill(self) -> None:
+        for a in self.actors:
+            try:
+                self.ray.kill(a)
+            except Exception:
+                pass
+        self.actors = []
+        if self.pg is not None:
+            try:
+                self.ray.util.remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+
+
+class _RayWorker:
+    """A Ray actor holding one rank; ``run`` returns when rank 0 stops the group."""
+
+    def run(self, config: EngineConfig, rank: int, size: int, host: str, port: int) -> None:
+        run_follower(config, rank, size, host, port)
+
+
+# -- ranks > 0 ---------------------------------------------------------------------------------------------------
+def _mp_main(config: EngineConfig, rank: int, size: int, host: str, port: int, parent: int) -> None:
+    _die_with_parent(parent)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(levelname)s %(message)s")
+    try:
+        run_follower(config, rank, size, host, port)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: this process gets SIGKILL when rank 0's process dies, so no worker outlives the server."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def run_follower(config: EngineConfig, rank: int, size: int, host: str, port: int) -> None:
+    """Rank ``rank``: join the group, build this rank's slice of everything rank 0 builds, then follow."""
+    import torch.distributed as dist
+
+    from specserve.model.loader import load_checkpoint
+    from specserve.platform import configure_threads, detect
+    from specserve.worker.model_runner import ModelRunner
+
+    configure_threads(size)
+    platform = detect(config.model.device, rank)
+    store = dist.TCPStore(host, port, size, is_master=False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+    store.set(f"ready{rank}", "1")
+    dist.init_process_group(platform.dist_backend, store=store, rank=rank, world_size=size, timeout=op_timeout())
+    msg_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
+    comm = Comm(rank, size, platform.dist_backend)
+    target = load_checkpoint(config.model.model, keep_quantized=config.model.quantization != "none")
+    runner = ModelRunner(config, platform, target, comm=comm, msg_group=msg_group)
+    runner.mirror.follow()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # an mp worker: its arguments come pickled on stdin
+    _mp_main(*pickle.loads(sys.stdin.buffer.read()))
