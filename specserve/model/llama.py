@@ -128,9 +128,9 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, rope_dtype,
                                     device)
         # Sliding layers may rotate with their own base and no scaling (Gemma 3's local layers).
-        local = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_local_theta, None, rope_dtype, device) \
+        local_rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_local_theta, None, rope_dtype, device) \
             if arch.rope_local_theta is not None else self.rope
-        self.layer_ropes = [local if arch.window(i) is not None else self.rope for i in range(arch.num_layers)]
+        self.layer_ropes = [local_rope if arch.window(i) is not None else self.rope for i in range(arch.num_layers)]
         # The layers (1-based) whose outputs ``return_prenorm`` concatenates (an EAGLE-3-style head's
         # feature); None: the last layer only.
         self.feature_layers: tuple[int, ...] | None = None

@@ -33,7 +33,14 @@ from specserve.sample.sampler import RequestSamplingState, compute_logprobs, pro
 from specserve.spec_decode.proposer import ProposeRequest
 from specserve.worker.drafter import Drafter
 from specserve.worker.features import FeatureSink, sink_features
-from specserve.worker.graphs import CaptureBackend, GraphPlan, ModelStep, StepOutput, batch_buckets, select_capture
+from specserve.worker.graphs import (
+    CaptureBackend,
+    GraphPlan,
+    ModelStep,
+    StepOutput,
+    batch_buckets,
+    select_capture,
+)
 from specserve.worker.tensor_parallel import Mirror, WorkerGroup
 
 log = logging.getLogger("specserve")
@@ -228,6 +235,17 @@ class ModelRunner:
         return out, self.model.compute_logits(out.hidden[to_device(logits_at, self.device, torch.int64)])
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.group is None:
+            return self._execute(so)
+        try:
+            return self._execute(so)
+        except Exception as e:  # a collective failed: name the lost rank when that is why
+            reason = self.group.failure or self.group.lost()
+            if reason is None:
+                raise
+            raise SpecserveError(reason) from e
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._sync_requests(so)
         rows = so.rows
         if not rows:

@@ -187,6 +187,20 @@ class WorkerGroup:
             return SpecserveError(f"tensor-parallel worker rank {rank} {why} while loading (its log is above): {e}")
         return None
 
+    def lost(self, wait: float = 3.0) -> str | None:
+        """After a collective failed: the lost rank, if a worker is gone within ``wait`` seconds (a dead peer's
+        socket can fail a collective before its exit is visible). Reported as the group's failure."""
+        deadline = time.monotonic() + wait
+        while True:
+            dead = self.workers.dead()
+            if dead:
+                rank, why = dead[0]
+                self._fail(f"tensor-parallel worker rank {rank} {why}")
+                return self.failure
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
     def add_failure_listener(self, fn: Callable[[str], None]) -> None:
         with self._lock:
             self._listeners.append(fn)
