@@ -330,6 +330,7 @@ class _RayExecutor(_Executor):
         self.ray = ray
         address = os.environ.get("RAY_ADDRESS", "auto")
         if not ray.is_initialized():
+            _check_reachable(address)
             try:
                 ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError) as e:
@@ -403,6 +404,19 @@ class _RayExecutor(_Executor):
             except Exception:
                 pass
             self.pg = None
+
+
+def _check_reachable(address: str) -> None:
+    """A ``host:port`` Ray address must accept a connection within seconds (``ray.init`` would retry for
+    minutes); ``auto`` and ``ray://`` addresses are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except OSError as e:
+        raise SpecserveError(f"--distributed-executor-backend ray: no Ray cluster reachable at {address!r} "
+                             f"(start one with `ray start --head`, or set RAY_ADDRESS): {e}") from None
 
 
 class _RayWorker:
