@@ -8,6 +8,7 @@ attention backend, graph capture, distributed backend) once.
 from __future__ import annotations
 
 import os
+import platform as platform_mod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -62,6 +63,14 @@ class Platform:
         if self.supports_graphs:
             return "eager (the torch attention backend is not capturable)"
         return "eager (no graph capture on this platform)"
+
+    @property
+    def shared_memory_collectives(self) -> bool:
+        """Tensor-parallel ranks on one host exchange tensors through shared memory instead of the
+        distributed backend: on x86 CPUs (whose stores are seen in order, which the spin-waits rely on);
+        ``SPECSERVE_TP_COMM=gloo`` keeps gloo."""
+        return (self.kind == "cpu" and platform_mod.machine().lower() in ("x86_64", "amd64")
+                and os.environ.get("SPECSERVE_TP_COMM", "shm") == "shm")
 
     def describe(self) -> dict[str, str]:
         info = {

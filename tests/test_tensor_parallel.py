@@ -90,12 +90,14 @@ def _assert_matches(ref_llm: LLM, prompts: list[list[int]], got: list[list[int]]
     assert len(ties) <= max(1, len(prompts) // 8), ties
 
 
-@pytest.mark.parametrize("family,over", [
-    ("llama", dict(num_key_value_heads=1)),  # fewer KV heads than ranks: replicated
-    ("qwen2", dict(num_key_value_heads=2)),  # q/k/v biases, sliced with their rows
-    ("qwen3_moe", {}),  # per-head q/k norms; every expert sliced, the router replicated
+@pytest.mark.parametrize("family,over,comm", [
+    ("llama", dict(num_key_value_heads=1), "shm"),  # fewer KV heads than ranks: replicated
+    ("llama", dict(num_key_value_heads=1), "gloo"),  # the same over gloo (SPECSERVE_TP_COMM=gloo)
+    ("qwen2", dict(num_key_value_heads=2), "shm"),  # q/k/v biases, sliced with their rows
+    ("qwen3_moe", {}, "shm"),  # per-head q/k norms; every expert sliced, the router replicated
 ])
-def test_tiny_models_match_one_rank(tmp_path, family, over):
+def test_tiny_models_match_one_rank(tmp_path, monkeypatch, family, over, comm):
+    monkeypatch.setenv("SPECSERVE_TP_COMM", comm)
     vocab = 261  # odd: the vocabulary rows do not split evenly
     path = save_tiny_checkpoint(tmp_path / family, family, seed=5, layers=2, vocab=vocab, **over)
     kw: dict[str, Any] = dict(num_blocks=256, block_size=8, device="cpu", dtype="float32")
@@ -104,6 +106,7 @@ def test_tiny_models_match_one_rank(tmp_path, family, over):
     ref = _greedy(ref_llm, prompts)
     with LLM(path, tensor_parallel_size=2, **kw) as llm:
         assert llm.engine.runner.model.local.num_heads == 2  # half of the 4 heads
+        assert llm.engine.runner.comm.backend == comm
         got = _greedy(llm, prompts)
         got_alone = [_greedy(llm, [p])[0] for p in prompts[:3]]
     _assert_matches(ref_llm, prompts, got, ref)

@@ -202,3 +202,95 @@ class TensorParallel:
     def create(arch: ModelArch, comm: Comm) -> TensorParallel:
         check_tensor_parallel(arch, comm.size)
         return TensorParallel(shard_spec(arch, comm.rank, comm.size), comm)
+
+
+class ShmComm(Comm):
+    """The collectives of ranks on one x86 host through a shared-memory file, without sockets.
+
+    Measured on a 2-core AVX2 EPYC (torch 2.13): gloo's all-reduce of 576 floats between two local processes
+    takes ~1.3 ms (its TCP pairs and I/O threads), which made the demo model's 61 collectives a token cost
+    more than the forward itself. Here a collective is: copy this rank's tensor into its slot, publish the op's
+    number, spin until every rank has published, read all slots and sum them in rank order (so every rank
+    gets the same bits), publish that it is done reading. A slot is reused two ops later, once every rank
+    is done with it. x86 keeps stores in order (TSO), so a published number implies its slot's data.
+
+    Layout: ``posted[size]``, ``done[size]`` (int64 op numbers), then two parities x ``size`` slots of
+    ``slot_elems`` float32. Tensors larger than a slot go in pieces. ``check`` is called while spinning (a lost
+    peer raises there); a collective that waits longer than ``timeout`` raises too.
+    """
+
+    def __init__(self, rank: int, size: int, path: str, slot_elems: int, check: Any = None,
+                 timeout: float = 300.0) -> None:
+        import numpy as np
+
+        super().__init__(rank, size, "shm")
+        self.path, self.slot_elems, self.check, self.timeout = path, slot_elems, check, timeout
+        mm = np.memmap(path, dtype=np.uint8, mode="r+")
+        self._mm = mm
+        flags = np.frombuffer(mm, dtype=np.int64, count=2 * size)
+        self.posted, self.done = flags[:size], flags[size:]
+        data = np.frombuffer(mm, dtype=np.float32, offset=16 * size, count=2 * size * slot_elems)
+        self.slots = torch.from_numpy(data).view(2, size, slot_elems)
+        self.op = 0
+
+    @staticmethod
+    def nbytes(size: int, slot_elems: int) -> int:
+        return 16 * size + 4 * 2 * size * slot_elems
+
+    def _wait(self, flags: Any, at_least: int) -> None:
+        if (flags >= at_least).all():
+            return
+        import time
+
+        start = time.monotonic()
+        spins = 0
+        while not (flags >= at_least).all():
+            spins += 1
+            if spins % 4096 == 0:
+                if self.check is not None:
+                    self.check()
+                if time.monotonic() - start > self.timeout:
+                    raise RuntimeError(f"tensor parallel: a rank did not reach collective {at_least} within "
+                                       f"{self.timeout:.0f} s")
+
+    def _exchange(self, flat: torch.Tensor) -> torch.Tensor:
+        """[n] float32 of this rank -> [size, n]: every rank's (views of shared memory, valid until this
+        rank's collective after next)."""
+        self.op += 1
+        s = self.op
+        self._wait(self.done, s - 1)  # every rank has finished reading the slots of op s - 2
+        slot = self.slots[s % 2]
+        slot[self.rank, :flat.numel()].copy_(flat)
+        self.posted[self.rank] = s
+        self._wait(self.posted, s)
+        return slot[:, :flat.numel()]
+
+    def _finish(self) -> None:
+        self.done[self.rank] = self.op
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1)
+        out = torch.empty(flat.shape, dtype=torch.float32)
+        for a in range(0, flat.numel(), self.slot_elems):
+            b = min(a + self.slot_elems, flat.numel())
+            parts = self._exchange(flat[a:b].float())
+            acc = parts[0].clone()
+            for j in range(1, self.size):
+                acc += parts[j]
+            out[a:b] = acc
+            self._finish()
+        x.copy_(out.view(x.shape))
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1).float()
+        if flat.numel() > self.slot_elems:  # large: through the all-reduce of zero-padded pieces
+            full = torch.zeros(self.size, flat.numel())
+            full[self.rank] = flat
+            self.all_reduce(full)
+            parts = list(full.view(self.size, *x.shape))
+        else:
+            got = self._exchange(flat)
+            parts = [p.view(x.shape).clone() for p in got]
+            self._finish()
+        return torch.cat(parts, dim=-1).to(x.dtype)

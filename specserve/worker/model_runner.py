@@ -84,7 +84,7 @@ class ModelRunner:
         self.group: WorkerGroup | None = None
         if comm is None and config.parallel.tensor_parallel_size > 1:
             preflight_tensor_parallel(config, platform, target)
-            self.group = WorkerGroup(config, platform.dist_backend)
+            self.group = WorkerGroup(config, platform.dist_backend, platform.shared_memory_collectives)
             comm, msg_group = self.group.comm, self.group.msg_group
         try:
             self._init(config, platform, target, comm, msg_group)

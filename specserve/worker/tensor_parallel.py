@@ -20,6 +20,7 @@ the rest are stopped, and the failure listeners (the server) are told.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -28,16 +29,18 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from specserve.config import EngineConfig, SpecserveError
-from specserve.model.tensor_parallel import Comm
+from specserve.model.tensor_parallel import Comm, ShmComm
 
 log = logging.getLogger("specserve")
 
@@ -50,6 +53,60 @@ STARTUP_TIMEOUT_S = 600.0
 
 def op_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "300")))
+
+
+class ShmChannel:
+    """Rank 0's messages to the other ranks through a shared-memory file (ranks on one host): a frame is
+    written, then its number published; each rank acknowledges a frame before the next may overwrite it.
+    Waiting ranks spin briefly, then poll with short sleeps (they idle between requests)."""
+
+    CAPACITY = 8 << 20
+
+    def __init__(self, path: str, rank: int, size: int, check: Callable[[], None] | None = None) -> None:
+        import numpy as np
+
+        self.rank, self.size, self.check = rank, size, check
+        mm = np.memmap(path, dtype=np.uint8, mode="r+")
+        self._mm = mm
+        self.hdr = np.frombuffer(mm, dtype=np.int64, count=3 + size)  # seq, nbytes, more, ack[size]
+        self.data = np.frombuffer(mm, dtype=np.uint8, offset=8 * (3 + size), count=self.CAPACITY)
+        self.seq = 0
+
+    @classmethod
+    def nbytes(cls, size: int) -> int:
+        return 8 * (3 + size) + cls.CAPACITY
+
+    def send(self, payload: bytes) -> None:
+        view = memoryview(payload)
+        for a in range(0, max(len(view), 1), self.CAPACITY):
+            chunk = view[a:a + self.CAPACITY]
+            self.seq += 1
+            acks = self.hdr[3 + 1:3 + self.size]
+            spins = 0
+            while (acks < self.seq - 1).any():
+                spins += 1
+                if spins % 4096 == 0 and self.check is not None:
+                    self.check()
+            self.data[:len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            self.hdr[1], self.hdr[2] = len(chunk), int(a + self.CAPACITY < len(view))
+            self.hdr[0] = self.seq
+
+    def recv(self) -> bytes:
+        parts = []
+        while True:
+            self.seq += 1
+            spins, start = 0, time.monotonic()
+            while self.hdr[0] < self.seq:
+                spins += 1
+                if spins > 2000:  # idle between requests: poll, up to 5 ms apart after a second
+                    time.sleep(min(5e-3, (time.monotonic() - start) / 200))
+                    if spins % 256 == 0 and self.check is not None:
+                        self.check()
+            n, more = int(self.hdr[1]), int(self.hdr[2])
+            parts.append(self.data[:n].tobytes())
+            self.hdr[3 + self.rank] = self.seq
+            if not more:
+                return b"".join(parts)
 
 
 class Mirror:
@@ -81,16 +138,24 @@ class Mirror:
     def _send(self, msg: Any) -> None:
         import torch.distributed as dist
 
+        if isinstance(self.msg_group, ShmChannel):
+            self.msg_group.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            return
         dist.broadcast_object_list([msg], src=0, group=self.msg_group)
+
+    def _recv(self) -> Any:
+        import torch.distributed as dist
+
+        if isinstance(self.msg_group, ShmChannel):
+            return pickle.loads(self.msg_group.recv())
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.msg_group)
+        return box[0]
 
     def follow(self) -> None:
         """Ranks > 0: run the calls rank 0 makes until it stops the group."""
-        import torch.distributed as dist
-
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=self.msg_group)
-            key, args = box[0]
+            key, args = self._recv()
             if key == _STOP:
                 return
             self.calls[key](*_to_device(args, self.device))
@@ -137,7 +202,7 @@ def _describe_exit(code: int | None) -> str:
 class WorkerGroup:
     """Rank 0's handle on ranks 1..N-1: starts them, joins the process group, watches them, stops them."""
 
-    def __init__(self, config: EngineConfig, dist_backend: str) -> None:
+    def __init__(self, config: EngineConfig, dist_backend: str, shm: bool) -> None:
         import torch.distributed as dist
 
         self.size = config.parallel.tensor_parallel_size
@@ -151,18 +216,30 @@ class WorkerGroup:
         port = _free_port()
         store = dist.TCPStore(host, port, self.size, is_master=True,
                               timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
-        self.workers.start(config, self.size, host, port)
+        files = _shm_files(self.size) if shm and self.backend == "mp" else None
+        self.workers.start(config, self.size, host, port, files)
         try:
             self._wait_ready(store)
             dist.init_process_group(dist_backend, store=store, rank=0, world_size=self.size, timeout=op_timeout())
-            self.msg_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
+            self.comm, self.msg_group = _collectives(0, self.size, dist_backend, files, self._raise_if_lost)
         except BaseException:
             self.workers.kill()
             raise
-        self.comm = Comm(0, self.size, dist_backend)
+        finally:
+            for path in files or ():  # every rank has mapped them by now: nothing is left behind on a crash
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         self._monitor = threading.Thread(target=self._watch, name="specserve-tp-monitor", daemon=True)
         self._monitor.start()
-        log.info("tensor parallel: %d ranks over %s (%s executor)", self.size, dist_backend, self.backend)
+        log.info("tensor parallel: %d ranks, collectives over %s (%s executor)", self.size, self.comm.backend,
+                 self.backend)
+
+    def _raise_if_lost(self) -> None:
+        """Called while rank 0 spins in a shared-memory collective: a gone worker ends the wait."""
+        dead = self.workers.dead()
+        if dead:
+            rank, why = dead[0]
+            raise RuntimeError(f"tensor-parallel worker rank {rank} {why}")
 
     def _wait_ready(self, store: Any) -> None:
         """Every rank checks in on the store before the process group forms; a worker that dies first is
@@ -255,7 +332,7 @@ class _Executor:
     def host(self) -> str:
         return "127.0.0.1"
 
-    def start(self, config: EngineConfig, size: int, host: str, port: int) -> None:
+    def start(self, config: EngineConfig, size: int, host: str, port: int, files: tuple[str, str] | None) -> None:
         raise NotImplementedError
 
     def dead(self) -> list[tuple[int, str]]:
@@ -280,11 +357,11 @@ class _MpExecutor(_Executor):
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, config: EngineConfig, size: int, host: str, port: int) -> None:
+    def start(self, config: EngineConfig, size: int, host: str, port: int, files: tuple[str, str] | None) -> None:
         for rank in range(1, size):
             p = subprocess.Popen([sys.executable, "-m", "specserve.worker.tensor_parallel"], stdin=subprocess.PIPE)
             assert p.stdin is not None
-            p.stdin.write(pickle.dumps((config, rank, size, host, port, os.getpid())))
+            p.stdin.write(pickle.dumps((config, rank, size, host, port, files, os.getpid())))
             p.stdin.close()
             self.procs.append(p)
 
@@ -345,7 +422,7 @@ class _RayExecutor(_Executor):
     def host(self) -> str:
         return str(self.ray.util.get_node_ip_address())
 
-    def start(self, config: EngineConfig, size: int, host: str, port: int) -> None:
+    def start(self, config: EngineConfig, size: int, host: str, port: int, files: tuple[str, str] | None) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -357,12 +434,12 @@ class _RayExecutor(_Executor):
             self.ray.util.remove_placement_group(self.pg)
             raise SpecserveError(f"the Ray cluster cannot place {size - 1} workers with {bundle} each "
                                  f"(`ray status` shows its resources)")
-        worker = self.ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(_RayWorker)
+        worker: Any = self.ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(_RayWorker)
         for rank in range(1, size):
             actor = worker.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=rank - 1)).remote()
             self.actors.append(actor)
-            self.refs.append(actor.run.remote(config, rank, size, host, port))
+            self.refs.append(actor.run.remote(config, rank, size, host, port, None))
 
     def _poll(self, timeout: float) -> None:
         pending = [r for i, r in enumerate(self.refs) if i + 1 not in self._dead]
@@ -422,16 +499,45 @@ def _check_reachable(address: str) -> None:
 class _RayWorker:
     """A Ray actor holding one rank; ``run`` returns when rank 0 stops the group."""
 
-    def run(self, config: EngineConfig, rank: int, size: int, host: str, port: int) -> None:
-        run_follower(config, rank, size, host, port)
+    def run(self, config: EngineConfig, rank: int, size: int, host: str, port: int, files: None) -> None:
+        run_follower(config, rank, size, host, port, files)
+
+
+# -- collectives ---------------------------------------------------------------------------------------------
+SLOT_ELEMS = 1 << 20  # floats per rank and parity in the shared-memory collectives (4 MiB)
+
+
+def _shm_files(size: int) -> tuple[str, str]:
+    """Two fresh shared-memory files (collectives, messages), sized; in /dev/shm where it exists."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    paths = []
+    for kind, nbytes in (("coll", ShmComm.nbytes(size, SLOT_ELEMS)), ("msg", ShmChannel.nbytes(size))):
+        fd, path = tempfile.mkstemp(prefix=f"specserve-tp-{kind}-", dir=base)
+        os.ftruncate(fd, nbytes)
+        os.close(fd)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def _collectives(rank: int, size: int, dist_backend: str, files: tuple[str, str] | None,
+                 check: Callable[[], None]) -> tuple[Comm, Any]:
+    """(the model's collectives, the message group): shared memory when ``files`` (ranks on one host, CPU),
+    else torch.distributed on ``dist_backend`` with a gloo group for the messages."""
+    import torch.distributed as dist
+
+    if files is not None:
+        return (ShmComm(rank, size, files[0], SLOT_ELEMS, check, op_timeout().total_seconds()),
+                ShmChannel(files[1], rank, size, check))
+    return Comm(rank, size, dist_backend), dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
 
 
 # -- ranks > 0 ---------------------------------------------------------------------------------------------------
-def _mp_main(config: EngineConfig, rank: int, size: int, host: str, port: int, parent: int) -> None:
+def _mp_main(config: EngineConfig, rank: int, size: int, host: str, port: int, files: tuple[str, str] | None,
+             parent: int) -> None:
     _die_with_parent(parent)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(levelname)s %(message)s")
     try:
-        run_follower(config, rank, size, host, port)
+        run_follower(config, rank, size, host, port, files, parent)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
@@ -450,7 +556,8 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def run_follower(config: EngineConfig, rank: int, size: int, host: str, port: int) -> None:
+def run_follower(config: EngineConfig, rank: int, size: int, host: str, port: int,
+                 files: tuple[str, str] | None = None, parent: int | None = None) -> None:
     """Rank ``rank``: join the group, build this rank's slice of everything rank 0 builds, then follow."""
     import torch.distributed as dist
 
@@ -461,10 +568,15 @@ def run_follower(config: EngineConfig, rank: int, size: int, host: str, port: in
     configure_threads(size)
     platform = detect(config.model.device, rank)
     store = dist.TCPStore(host, port, size, is_master=False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+    def check() -> None:
+        if parent is not None and os.getppid() != parent:
+            raise RuntimeError("rank 0 is gone")
+
+    # The shared-memory files are mapped before checking in: rank 0 unlinks them once the group has formed.
+    shm = _collectives(rank, size, platform.dist_backend, files, check) if files is not None else None
     store.set(f"ready{rank}", "1")
     dist.init_process_group(platform.dist_backend, store=store, rank=rank, world_size=size, timeout=op_timeout())
-    msg_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
-    comm = Comm(rank, size, platform.dist_backend)
+    comm, msg_group = shm or _collectives(rank, size, platform.dist_backend, None, check)
     target = load_checkpoint(config.model.model, keep_quantized=config.model.quantization != "none")
     runner = ModelRunner(config, platform, target, comm=comm, msg_group=msg_group)
     runner.mirror.follow()
@@ -472,4 +584,8 @@ def run_follower(config: EngineConfig, rank: int, size: int, host: str, port: in
 
 
 if __name__ == "__main__":  # an mp worker: its arguments come pickled on stdin
-    _mp_main(*pickle.loads(sys.stdin.buffer.read()))
+    # Through the package's own module object: run as __main__ this file is a second copy of the module,
+    # whose classes the rest of the package would not recognise.
+    from specserve.worker import tensor_parallel
+
+    tensor_parallel._mp_main(*pickle.loads(sys.stdin.buffer.read()))
