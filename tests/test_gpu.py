@@ -81,3 +81,26 @@ def test_new_families_on_gpu(tmp_path, family):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids[0]], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(ids[0]):]
     assert ref.tolist() == off[0][:8]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_parallel_on_two_gpus(tmp_path):
+    """TP=2 over NCCL (RCCL on ROCm) with n-gram speculation: greedy output equals TP=1's, fp32 near-tie rule."""
+    from specserve.llm import LLM
+    from tests.helpers import save_tiny_checkpoint
+    from tests.test_engine import assert_same_or_near_tie
+    from tests.test_tensor_parallel import _random_prompts
+
+    path = save_tiny_checkpoint(tmp_path / "m", "qwen2", seed=5, layers=2, vocab=261)
+    kw = dict(dtype="float32", num_blocks=256, speculative_method="ngram", num_speculative_tokens=3,
+              speculative_adaptive=False)
+    prompts = _random_prompts(8, 261)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref_llm = LLM(path, **kw)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(None, sp, prompt_token_ids=prompts)]
+    with LLM(path, tensor_parallel_size=2, **kw) as llm:
+        assert llm.engine.runner.comm.backend == "nccl"
+        got = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts)]
+    ties: list[tuple] = []
+    for p, g, r in zip(prompts, got, ref):
+        assert_same_or_near_tie(ref_llm, p, g, r, ties)

@@ -172,7 +172,7 @@ def demo_reference():
     ("layer_skip", dict(speculative_method="layer_skip", num_speculative_tokens=3)),
     ("draft at draft TP 1", dict(speculative_model="<demo>", num_speculative_tokens=3, draft_tensor_parallel_size=1)),
     ("draft at draft TP 2", dict(speculative_model="<demo>", num_speculative_tokens=3)),
-    ("eagle", dict(speculative_model=SHIPPED_HEAD, num_speculative_tokens=3)),
+    ("eagle + lookup first", dict(speculative_model=SHIPPED_HEAD, num_speculative_tokens=3, prompt_lookup_first=True)),
 ])
 def test_demo_model_tp2_equals_tp1(demo_reference, name, kw):
     """16 prompts x 24 tokens at batch 8 and at batch 1 (4 of them), speculation on (fixed k, so every step

@@ -59,7 +59,7 @@ def test_ray_executor_matches_one_rank(cluster):
     with LLM(None, tensor_parallel_size=2, distributed_executor_backend="ray", num_blocks=256, device="cpu",
              max_num_seqs=8, speculative_method="ngram", num_speculative_tokens=3) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts)]
-        assert llm.engine.runner.group.backend == "ray"
+        assert llm.engine.tp_group.backend == "ray"
     ties: list[tuple] = []
     for p, g, r in zip(prompts, got, ref):
         assert_same_or_near_tie(ref_llm, p, g, r, ties)
@@ -69,7 +69,7 @@ def test_ray_executor_matches_one_rank(cluster):
 def test_ray_worker_loss_is_reported_with_its_rank(cluster, tmp_path):
     path = save_tiny_checkpoint(tmp_path / "m", "llama", layers=1)
     llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", num_blocks=64, device="cpu")
-    group = llm.engine.runner.group
+    group = llm.engine.tp_group
     reasons: list[str] = []
     llm.engine.add_failure_listener(reasons.append)
     ray.kill(group.workers.actors[0])

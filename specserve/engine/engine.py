@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specserve.config import EngineConfig
+from specserve.config import EngineConfig, SpecserveError
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import append_checked
 from specserve.kv.kv_cache_manager import KVCacheManager
@@ -21,6 +21,7 @@ from specserve.sample.grammar import GrammarCompiler
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from specserve.worker.model_runner import ModelRunner
+from specserve.worker.tensor_parallel import start_tensor_parallel
 
 log = logging.getLogger("specserve")
 
@@ -62,7 +63,20 @@ class Engine:
         self.platform = platform or detect(config.model.device)
         target = load_checkpoint(config.model.model, keep_quantized=config.model.quantization != "none")
         self.tokenizer = Tokenizer.from_checkpoint(config.model.model)
-        self.runner = ModelRunner(config, self.platform, target)
+        # Tensor parallel: the other ranks start here, before this process builds its own slices.
+        self.tp_group = start_tensor_parallel(config, self.platform, target) \
+            if config.parallel.tensor_parallel_size > 1 else None
+        try:
+            self.runner = ModelRunner(config, self.platform, target, *(
+                (self.tp_group.comm, self.tp_group.msg_group) if self.tp_group is not None else ()))
+        except BaseException as e:
+            if self.tp_group is None:
+                raise
+            better = self.tp_group.startup_error(e)  # a rank that died while loading, by name
+            self.tp_group.close(None)
+            if better is None:
+                raise
+            raise better from e
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
@@ -146,17 +160,27 @@ class Engine:
 
     def close(self) -> None:
         """Release what outlives the object: the other tensor-parallel ranks (no-op without them)."""
-        self.runner.close()
+        if self.tp_group is not None:
+            self.tp_group.close(self.runner.mirror)
 
     def add_failure_listener(self, fn: Callable[[str], None]) -> None:
         """``fn(reason)``, from another thread, when a tensor-parallel rank is lost: the engine cannot step
-        again."""
-        self.runner.add_failure_listener(fn)
+        again (never called without tensor parallel)."""
+        if self.tp_group is not None:
+            self.tp_group.add_failure_listener(fn)
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
+        try:
+            runner_out = self.runner.execute(sched_out)
+        except Exception as e:
+            if self.tp_group is None:
+                raise
+            reason = self.tp_group.failure or self.tp_group.lost()  # a collective failed: a lost rank?
+            if reason is None:
+                raise
+            raise SpecserveError(reason) from e
         return self._update(sched_out, runner_out)
 
     def _update(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:

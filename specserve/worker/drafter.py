@@ -34,7 +34,7 @@ from specserve.spec_decode.ngram import NgramProposer, lookup
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
 from specserve.worker.features import FeatureBuffer, eagle_step
 from specserve.worker.graphs import GraphPlan, ModelStep
-from specserve.worker.tensor_parallel import Mirror
+from specserve.worker.mirror import Mirror
 
 # Builds a model the way the target was built (dtype, quantization, attention backend, kernels).
 ModelBuilder = Callable[..., LlamaModel]

@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,12 +21,12 @@ from specserve.config import EngineConfig, SpecserveError
 from specserve.model.attention import make_backend
 from specserve.model.eagle_head import EagleHead
 from specserve.model.llama import LlamaModel
-from specserve.model.loader import Checkpoint, load_checkpoint
+from specserve.model.loader import Checkpoint
 from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear
-from specserve.model.tensor_parallel import Comm, TensorParallel, check_tensor_parallel
+from specserve.model.tensor_parallel import Comm, TensorParallel
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from specserve.platform import Platform, check_tensor_parallel_devices, resolve_dtype, to_device
+from specserve.platform import Platform, resolve_dtype, to_device
 from specserve.sample.grammar import GrammarState
 from specserve.sample.rejection_sampler import verify
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
@@ -41,7 +41,7 @@ from specserve.worker.graphs import (
     batch_buckets,
     select_capture,
 )
-from specserve.worker.tensor_parallel import Mirror, WorkerGroup
+from specserve.worker.mirror import Mirror
 
 log = logging.getLogger("specserve")
 
@@ -75,29 +75,12 @@ def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_po
 
 
 class ModelRunner:
-    """Rank 0's runner, or with ``comm`` a follower rank's (``worker/tensor_parallel.py``: it builds the same
-    slices and runs the model calls rank 0 mirrors to it). Rank 0 of a tensor-parallel engine starts the
-    other ranks itself."""
+    """One rank's runner. With ``comm`` (tensor parallel, ``worker/tensor_parallel.py``) it holds its rank's
+    slices; rank 0 mirrors its model calls to the other ranks (``worker/mirror.py``), which run them in
+    ``self.mirror.follow()``."""
 
     def __init__(self, config: EngineConfig, platform: Platform, target: Checkpoint, comm: Comm | None = None,
                  msg_group: Any = None) -> None:
-        self.group: WorkerGroup | None = None
-        if comm is None and config.parallel.tensor_parallel_size > 1:
-            preflight_tensor_parallel(config, platform, target)
-            self.group = WorkerGroup(config, platform.dist_backend, platform.shared_memory_collectives)
-            comm, msg_group = self.group.comm, self.group.msg_group
-        try:
-            self._init(config, platform, target, comm, msg_group)
-        except BaseException as e:
-            if self.group is not None:
-                better = self.group.startup_error(e)
-                self.group.close(None)
-                if better is not None:
-                    raise better from e
-            raise
-
-    def _init(self, config: EngineConfig, platform: Platform, target: Checkpoint, comm: Comm | None,
-              msg_group: Any) -> None:
         self.config = config
         self.comm = comm
         self.mirror = Mirror(comm, msg_group, platform.device)
@@ -235,17 +218,6 @@ class ModelRunner:
         return out, self.model.compute_logits(out.hidden[to_device(logits_at, self.device, torch.int64)])
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        if self.group is None:
-            return self._execute(so)
-        try:
-            return self._execute(so)
-        except Exception as e:  # a collective failed: name the lost rank when that is why
-            reason = self.group.failure or self.group.lost()
-            if reason is None:
-                raise
-            raise SpecserveError(reason) from e
-
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._sync_requests(so)
         rows = so.rows
         if not rows:
@@ -359,29 +331,6 @@ class ModelRunner:
         for req_id, d in drafts.items():
             self.requests[req_id].draft_probs = d.probs
         return {req_id: d.token_ids for req_id, d in drafts.items()}
-
-    def close(self) -> None:
-        """Stop the other tensor-parallel ranks (no-op without them)."""
-        if self.group is not None:
-            self.group.close(self.mirror)
-
-    def add_failure_listener(self, fn: Callable[[str], None]) -> None:
-        """``fn(reason)`` when a tensor-parallel rank is lost (never called without tensor parallel)."""
-        if self.group is not None:
-            self.group.add_failure_listener(fn)
-
-
-def preflight_tensor_parallel(config: EngineConfig, platform: Platform, target: Checkpoint) -> None:
-    """Everything that can be checked before any worker starts: the model splits over the ranks (the draft
-    too, when it is split), and the mp executor has a GPU per rank."""
-    size = config.parallel.tensor_parallel_size
-    check_tensor_parallel(target.arch, size, "the target")
-    spec = config.speculative
-    if spec.method == "draft" and config.draft_tensor_parallel_size > 1:
-        draft = load_checkpoint(spec.model or "", keep_quantized=True)
-        check_tensor_parallel(draft.arch, size, "the draft model")
-    if config.parallel.distributed_executor_backend == "mp":
-        check_tensor_parallel_devices(platform, size)
 
 
 def _available_memory(platform: Platform) -> float:

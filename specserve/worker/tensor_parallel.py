@@ -4,18 +4,20 @@ Every rank builds the same ``ModelRunner`` over its slice of the weights (``mode
 Rank 0 runs the engine: the scheduler, sampling and verification, the controller, the proposers' logic.
 Every model call it makes on a sharded model (the target step with its logits, layer-skip and sharded
 draft steps, EAGLE head steps) is a *mirrored call*:
-- rank 0 broadcasts the call's key and arguments once (a pickled message on a gloo group);
+- rank 0 broadcasts the call's key and arguments once (a pickled message);
 - the other ranks, waiting in ``Mirror.follow``, run the same call on their slices;
 - so every all-reduce and all-gather inside the call meets its peers.
 The ranks see only model inputs (token ids, positions, block ids): requests, sampling and the accepted
 tokens live on rank 0, so every rank agrees on them by construction. A draft model at
 ``draft_tensor_parallel_size`` 1 lives on rank 0 alone and its calls are not mirrored.
 
-Executors start ranks 1..N-1: ``mp`` spawns local processes (one GPU each), ``ray`` places actors with a
+The mirror and its shared-memory transport are in ``worker/mirror.py``.
+
+Executors start ranks 1..N-1: ``mp`` runs local processes (one GPU each), ``ray`` places actors with a
 placement group on a running Ray cluster. Ray places processes and keeps them alive; the collectives are
-torch.distributed's (``Platform.dist_backend``: gloo on CPU, NCCL on CUDA, RCCL through the nccl name on
-ROCm). A monitor thread watches the workers: one that exits or dies is logged with its rank and cause,
-the rest are stopped, and the failure listeners (the server) are told.
+torch.distributed's (``Platform.dist_backend``), or shared memory between CPU ranks on one host. A monitor
+thread watches the workers: one that exits or dies is logged with its rank and cause, the rest are
+stopped, and the failure listeners (the server) are told.
 """
 
 from __future__ import annotations
@@ -29,156 +31,24 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from specserve.config import EngineConfig, SpecserveError
-from specserve.model.tensor_parallel import Comm, ShmComm
+from specserve.model.loader import Checkpoint, load_checkpoint
+from specserve.model.tensor_parallel import check_tensor_parallel
+from specserve.platform import Platform, check_tensor_parallel_devices, configure_threads, detect
+from specserve.worker.mirror import Mirror, collectives, op_timeout, shm_files
+from specserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("specserve")
 
-_STOP = "__stop__"
-# Collectives of a step that wait longer than this fail (a rank that hangs); the message group waits for
-# ever (the followers idle between requests).
-TIMEOUT_ENV = "SPECSERVE_TP_TIMEOUT_S"
 STARTUP_TIMEOUT_S = 600.0
-
-
-def op_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "300")))
-
-
-class ShmChannel:
-    """Rank 0's messages to the other ranks through a shared-memory file (ranks on one host): a frame is
-    written, then its number published; each rank acknowledges a frame before the next may overwrite it.
-    Waiting ranks spin briefly, then poll with short sleeps (they idle between requests)."""
-
-    CAPACITY = 8 << 20
-
-    def __init__(self, path: str, rank: int, size: int, check: Callable[[], None] | None = None) -> None:
-        import numpy as np
-
-        self.rank, self.size, self.check = rank, size, check
-        mm = np.memmap(path, dtype=np.uint8, mode="r+")
-        self._mm = mm
-        self.hdr = np.frombuffer(mm, dtype=np.int64, count=3 + size)  # seq, nbytes, more, ack[size]
-        self.data = np.frombuffer(mm, dtype=np.uint8, offset=8 * (3 + size), count=self.CAPACITY)
-        self.seq = 0
-
-    @classmethod
-    def nbytes(cls, size: int) -> int:
-        return 8 * (3 + size) + cls.CAPACITY
-
-    def send(self, payload: bytes) -> None:
-        view = memoryview(payload)
-        for a in range(0, max(len(view), 1), self.CAPACITY):
-            chunk = view[a:a + self.CAPACITY]
-            self.seq += 1
-            acks = self.hdr[3 + 1:3 + self.size]
-            spins = 0
-            while (acks < self.seq - 1).any():
-                spins += 1
-                if spins % 4096 == 0 and self.check is not None:
-                    self.check()
-            self.data[:len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-            self.hdr[1], self.hdr[2] = len(chunk), int(a + self.CAPACITY < len(view))
-            self.hdr[0] = self.seq
-
-    def recv(self) -> bytes:
-        parts = []
-        while True:
-            self.seq += 1
-            spins, start = 0, time.monotonic()
-            while self.hdr[0] < self.seq:
-                spins += 1
-                if spins > 2000:  # idle between requests: poll, up to 5 ms apart after a second
-                    time.sleep(min(5e-3, (time.monotonic() - start) / 200))
-                    if spins % 256 == 0 and self.check is not None:
-                        self.check()
-            n, more = int(self.hdr[1]), int(self.hdr[2])
-            parts.append(self.data[:n].tobytes())
-            self.hdr[3 + self.rank] = self.seq
-            if not more:
-                return b"".join(parts)
-
-
-class Mirror:
-    """Mirrored model calls (module docstring). Without a group (``comm`` None) ``wrap`` returns the call."""
-
-    def __init__(self, comm: Comm | None, msg_group: Any = None, device: torch.device | None = None) -> None:
-        self.comm, self.msg_group, self.device = comm, msg_group, device
-        self.calls: dict[str, Callable[..., Any]] = {}
-        self.busy_since: float | None = None
-
-    @property
-    def leader(self) -> bool:
-        return self.comm is None or self.comm.rank == 0
-
-    def wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if self.comm is None:
-            return fn
-        if key in self.calls:
-            raise ValueError(f"mirrored call {key!r} registered twice")
-        self.calls[key] = fn
-        if not self.leader:
-            return fn
-
-        def call(*args: Any) -> Any:
-            self._send((key, _to_host(args)))
-            return fn(*args)
-        return call
-
-    def _send(self, msg: Any) -> None:
-        import torch.distributed as dist
-
-        if isinstance(self.msg_group, ShmChannel):
-            self.msg_group.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-            return
-        dist.broadcast_object_list([msg], src=0, group=self.msg_group)
-
-    def _recv(self) -> Any:
-        import torch.distributed as dist
-
-        if isinstance(self.msg_group, ShmChannel):
-            return pickle.loads(self.msg_group.recv())
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.msg_group)
-        return box[0]
-
-    def follow(self) -> None:
-        """Ranks > 0: run the calls rank 0 makes until it stops the group."""
-        while True:
-            key, args = self._recv()
-            if key == _STOP:
-                return
-            self.calls[key](*_to_device(args, self.device))
-
-    def stop(self) -> None:
-        if self.comm is not None and self.leader:
-            self._send((_STOP, ()))
-
-
-def _to_host(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.cpu()
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_host(v) for v in x)
-    return x
-
-
-def _to_device(x: Any, device: torch.device | None) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device) if device is not None else x
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_device(v, device) for v in x)
-    return x
 
 
 # -- rank 0: the group ------------------------------------------------------------------------------------------
@@ -199,6 +69,18 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def start_tensor_parallel(config: EngineConfig, platform: Platform, target: Checkpoint) -> WorkerGroup:
+    """Check the split, then start ranks 1..N-1 and form the group (rank 0 is the calling process)."""
+    size = config.parallel.tensor_parallel_size
+    check_tensor_parallel(target.arch, size, "the target")
+    spec = config.speculative
+    if spec.method == "draft" and config.draft_tensor_parallel_size > 1:
+        check_tensor_parallel(load_checkpoint(spec.model or "", keep_quantized=True).arch, size, "the draft model")
+    if config.parallel.distributed_executor_backend == "mp":
+        check_tensor_parallel_devices(platform, size)
+    return WorkerGroup(config, platform.dist_backend, platform.shared_memory_collectives)
+
+
 class WorkerGroup:
     """Rank 0's handle on ranks 1..N-1: starts them, joins the process group, watches them, stops them."""
 
@@ -216,12 +98,12 @@ class WorkerGroup:
         port = _free_port()
         store = dist.TCPStore(host, port, self.size, is_master=True,
                               timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
-        files = _shm_files(self.size) if shm and self.backend == "mp" else None
+        files = shm_files(self.size) if shm and self.backend == "mp" else None
         self.workers.start(config, self.size, host, port, files)
         try:
             self._wait_ready(store)
             dist.init_process_group(dist_backend, store=store, rank=0, world_size=self.size, timeout=op_timeout())
-            self.comm, self.msg_group = _collectives(0, self.size, dist_backend, files, self._raise_if_lost)
+            self.comm, self.msg_group = collectives(0, self.size, dist_backend, files, self._raise_if_lost)
         except BaseException:
             self.workers.kill()
             raise
@@ -503,34 +385,6 @@ class _RayWorker:
         run_follower(config, rank, size, host, port, files)
 
 
-# -- collectives ---------------------------------------------------------------------------------------------
-SLOT_ELEMS = 1 << 20  # floats per rank and parity in the shared-memory collectives (4 MiB)
-
-
-def _shm_files(size: int) -> tuple[str, str]:
-    """Two fresh shared-memory files (collectives, messages), sized; in /dev/shm where it exists."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    paths = []
-    for kind, nbytes in (("coll", ShmComm.nbytes(size, SLOT_ELEMS)), ("msg", ShmChannel.nbytes(size))):
-        fd, path = tempfile.mkstemp(prefix=f"specserve-tp-{kind}-", dir=base)
-        os.ftruncate(fd, nbytes)
-        os.close(fd)
-        paths.append(path)
-    return paths[0], paths[1]
-
-
-def _collectives(rank: int, size: int, dist_backend: str, files: tuple[str, str] | None,
-                 check: Callable[[], None]) -> tuple[Comm, Any]:
-    """(the model's collectives, the message group): shared memory when ``files`` (ranks on one host, CPU),
-    else torch.distributed on ``dist_backend`` with a gloo group for the messages."""
-    import torch.distributed as dist
-
-    if files is not None:
-        return (ShmComm(rank, size, files[0], SLOT_ELEMS, check, op_timeout().total_seconds()),
-                ShmChannel(files[1], rank, size, check))
-    return Comm(rank, size, dist_backend), dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
-
-
 # -- ranks > 0 ---------------------------------------------------------------------------------------------------
 def _mp_main(config: EngineConfig, rank: int, size: int, host: str, port: int, files: tuple[str, str] | None,
              parent: int) -> None:
@@ -561,10 +415,6 @@ def run_follower(config: EngineConfig, rank: int, size: int, host: str, port: in
     """Rank ``rank``: join the group, build this rank's slice of everything rank 0 builds, then follow."""
     import torch.distributed as dist
 
-    from specserve.model.loader import load_checkpoint
-    from specserve.platform import configure_threads, detect
-    from specserve.worker.model_runner import ModelRunner
-
     configure_threads(size)
     platform = detect(config.model.device, rank)
     store = dist.TCPStore(host, port, size, is_master=False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
@@ -573,10 +423,10 @@ def run_follower(config: EngineConfig, rank: int, size: int, host: str, port: in
             raise RuntimeError("rank 0 is gone")
 
     # The shared-memory files are mapped before checking in: rank 0 unlinks them once the group has formed.
-    shm = _collectives(rank, size, platform.dist_backend, files, check) if files is not None else None
+    shm = collectives(rank, size, platform.dist_backend, files, check) if files is not None else None
     store.set(f"ready{rank}", "1")
     dist.init_process_group(platform.dist_backend, store=store, rank=rank, world_size=size, timeout=op_timeout())
-    comm, msg_group = shm or _collectives(rank, size, platform.dist_backend, None, check)
+    comm, msg_group = shm or collectives(rank, size, platform.dist_backend, None, check)
     target = load_checkpoint(config.model.model, keep_quantized=config.model.quantization != "none")
     runner = ModelRunner(config, platform, target, comm=comm, msg_group=msg_group)
     runner.mirror.follow()
