@@ -192,7 +192,7 @@ class ParallelConfig:
                              f"{self.distributed_executor_backend!r}")
 
 
-SPEC_METHODS = ("draft", "ngram", "layer_skip", "eagle")
+SPEC_METHODS = ("draft", "ngram", "layer_skip", "eagle", "suffix")
 LOOKUP_FIRST_MIN_N = 3  # --prompt-lookup-first: the shortest repeated suffix that lets lookup draft
 
 
@@ -223,6 +223,9 @@ class SpeculativeConfig:
     grammar_drafts: bool = field(default=True, metadata=flag(
         "grammar-aware drafting for structured outputs (default on)", positive=False,
         negative="--no-grammar-drafts"))
+    # Suffix decoding (spec_decode/suffix.py): finished requests' tokens kept for drafting, per user.
+    suffix_cache_tokens: int = field(default=200_000, metadata=flag(
+        "suffix: tokens of finished requests (prompt + output) kept for drafting, oldest evicted first"))
     # Tensor parallel: the draft model on rank 0 alone (1) or split like the target (its size; None = that).
     draft_tensor_parallel_size: int | None = field(default=None, metadata=flag(
         "the draft model's tensor-parallel size: 1 (on rank 0 alone) or the target's (default)",
@@ -241,11 +244,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} needs a speculative model")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:  # type: ignore[operator]
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.prompt_lookup_first and self.method == "ngram":
-            raise ValueError("prompt_lookup_first needs a model proposer (draft, eagle or layer_skip), "
-                             "not ngram")
+        if self.prompt_lookup_first and self.method in ("ngram", "suffix"):
+            raise ValueError(f"prompt_lookup_first needs a model proposer (draft, eagle or layer_skip), "
+                             f"not {self.method}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError("draft_layers must be >= 1")
+        if self.suffix_cache_tokens < 0:
+            raise ValueError("suffix_cache_tokens must be >= 0")
         if self.draft_tensor_parallel_size is not None and self.draft_tensor_parallel_size < 1:
             raise ValueError("draft_tensor_parallel_size must be >= 1")
 
@@ -266,6 +271,7 @@ class SpeculativeConfig:
         prompt_lookup_first: bool | None = None,
         grammar_drafts: bool | None = None,
         draft_tensor_parallel_size: int | None = None,
+        suffix_cache_tokens: int | None = None,
     ) -> SpeculativeConfig:
         """Merge vLLM V0-style flags and a V1-style ``--speculative-config`` JSON into one config."""
         cfg: dict[str, Any] = {}
@@ -295,7 +301,7 @@ class SpeculativeConfig:
         if method is None:
             return SpeculativeConfig()
         if k is None:
-            k = 5 if method == "ngram" else 4
+            k = 5 if method in ("ngram", "suffix") else 4
         lookup_min = prompt_lookup_min if prompt_lookup_min is not None else cfg.get("prompt_lookup_min")
         lookup_max = prompt_lookup_max if prompt_lookup_max is not None else cfg.get("prompt_lookup_max", 4)
         return SpeculativeConfig(
@@ -311,6 +317,8 @@ class SpeculativeConfig:
             grammar_drafts=bool(grammar_drafts if grammar_drafts is not None else cfg.get("grammar_drafts", True)),
             draft_tensor_parallel_size=draft_tensor_parallel_size if draft_tensor_parallel_size is not None
             else cfg.get("draft_tensor_parallel_size"),
+            suffix_cache_tokens=int(suffix_cache_tokens if suffix_cache_tokens is not None
+                                    else cfg.get("suffix_cache_tokens", 200_000)),
         )
 
 

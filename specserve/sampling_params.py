@@ -119,6 +119,9 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling.
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's ``user``: the partition of suffix decoding's index (spec_decode/suffix.py), whose drafts come
+    # only from earlier requests of the same user.
+    user: str | None = None
 
     def __post_init__(self) -> None:
         stop: object = self.stop

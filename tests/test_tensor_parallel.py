@@ -64,6 +64,25 @@ def test_bad_sizes_fail_before_any_worker_starts(tmp_path):
         LLM(path, tensor_parallel_size=2, speculative_model=path, draft_tensor_parallel_size=3)
 
 
+def test_ray_backend_without_ray_installed_is_a_clear_error(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    path = save_tiny_checkpoint(tmp_path / "m", "llama", layers=1)
+    with pytest.raises(SpecserveError, match=r"needs Ray: pip install 'specserve\[ray\]'"):
+        LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", num_blocks=64, device="cpu")
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    from specserve import platform as plat
+
+    gpu = plat.Platform("cuda", torch.device("cuda", 0), torch.bfloat16, "triton", True, "nccl")
+    monkeypatch.setattr(plat, "visible_gpus", lambda: 2)
+    plat.check_tensor_parallel_devices(gpu, 2)
+    with pytest.raises(SpecserveError, match="needs 4 GPUs, but 2 are visible"):
+        plat.check_tensor_parallel_devices(gpu, 4)
+
+
 def test_ray_backend_without_a_cluster_is_a_clear_error(tmp_path, monkeypatch):
     pytest.importorskip("ray")
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there
@@ -175,19 +194,19 @@ def demo_reference():
     ("eagle + lookup first", dict(speculative_model=SHIPPED_HEAD, num_speculative_tokens=3, prompt_lookup_first=True)),
 ])
 def test_demo_model_tp2_equals_tp1(demo_reference, name, kw):
-    """16 prompts x 24 tokens at batch 8 and at batch 1 (4 of them), speculation on (fixed k, so every step
-    drafts) and off, against TP=1 without speculation."""
+    """16 prompts x 24 tokens at batch 8 and at batch 1, speculation on (fixed k, so every step drafts), and 8
+    of them with speculation off, against TP=1 without speculation."""
     ref_llm, prompts, ref = demo_reference
     kw = {k: (default_model_path() if v == "<demo>" else v) for k, v in kw.items()}
     with LLM(None, tensor_parallel_size=2, num_blocks=512, device="cpu", max_num_seqs=8,
              speculative_adaptive=False, **kw) as llm:
         spec_on = _greedy(llm, prompts, 24)
-        alone = [_greedy(llm, [p], 24)[0] for p in prompts[:4]]
+        alone = [_greedy(llm, [p], 24)[0] for p in prompts]
         spec_off = _greedy(llm, prompts[:8], 24, speculative=False)
         metrics = llm.get_metrics()
     assert metrics["speculative"]["draft_tokens"] > 0, name
     _assert_matches(ref_llm, prompts, spec_on, ref)
-    _assert_matches(ref_llm, prompts[:4], alone, ref[:4])
+    _assert_matches(ref_llm, prompts, alone, ref)
     _assert_matches(ref_llm, prompts[:8], spec_off, ref[:8])
     assert metrics["kv_free_blocks"] == metrics["kv_num_blocks"]
 

@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response models (pydantic 2).
 
 Requests reject unknown top-level fields (``extra="forbid"``) so that a typo is a 400, not a silently ignored
-knob. Accepted but ignored OpenAI fields: ``user``, ``best_of`` (only when equal to ``n``). Structured outputs:
+knob. ``user`` partitions suffix decoding's drafts (spec_decode/suffix.py). Accepted but ignored:
+``best_of`` (only when equal to ``n``). Structured outputs:
 OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and vLLM's ``structured_outputs``
 (``json`` | ``regex`` | ``choice`` | ``grammar`` | ``json_object``) or its older ``guided_json`` /
 ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, on both routes (one of them per request).
@@ -159,7 +160,7 @@ class _SamplingRequest(_Strict):
             kw["structured_outputs"] = constraint
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                     "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+                     "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "user"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value

@@ -32,6 +32,7 @@ from specserve.spec_decode.eagle import EagleProposer
 from specserve.spec_decode.lookup_first import LookupFirstProposer
 from specserve.spec_decode.ngram import NgramProposer, lookup
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
+from specserve.spec_decode.suffix import SUFFIX_KEY_N, SuffixProposer
 from specserve.worker.features import FeatureBuffer, eagle_step
 from specserve.worker.graphs import GraphPlan, ModelStep
 from specserve.worker.mirror import Mirror
@@ -39,6 +40,13 @@ from specserve.worker.mirror import Mirror
 # Builds a model the way the target was built (dtype, quantization, attention backend, kernels).
 ModelBuilder = Callable[..., LlamaModel]
 KvAllocator = Callable[[LlamaModel | EagleHead], list[torch.Tensor]]
+
+
+def mirrors_draft_calls(config: EngineConfig) -> bool:
+    """Whether drafting makes model calls on sharded models (tensor parallel: the other ranks need a drafter
+    to run them): layer-skip and EAGLE steps, and a draft model split over the ranks."""
+    method = config.speculative.method
+    return method in ("layer_skip", "eagle") or (method == "draft" and config.draft_tensor_parallel_size > 1)
 
 
 class Drafter:
@@ -71,6 +79,7 @@ class Drafter:
         # Verification counters per draft source ("" for a one-source proposer, "model", "lookup", "grammar").
         self.source_stats: dict[str, SpecStats] = {}
         self._calls: list[tuple[int, int, float]] = []  # (rows, tokens, seconds) of one proposal's model steps
+        self._on_finish: Callable[[list[int], str | None], None] | None = None  # suffix decoding's index
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _load_draft_model(self) -> LlamaModel | EagleHead | None:
@@ -104,6 +113,10 @@ class Drafter:
         assert spec_config.prompt_lookup_min is not None
         if spec_config.method == "ngram":
             return NgramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
+        if spec_config.method == "suffix":
+            suffix = SuffixProposer(SUFFIX_KEY_N, spec_config.suffix_cache_tokens)
+            self._on_finish = suffix.finish
+            return suffix
         model = self._make_model_proposer(target_kv, block_size)
         if spec_config.prompt_lookup_first:
             return LookupFirstProposer(model, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
@@ -152,8 +165,11 @@ class Drafter:
         model proposal."""
         self._features.setdefault(req_id, FeatureBuffer()).add(pos, h)
 
-    def drop(self, req_id: str) -> None:
-        """Forget a finished request."""
+    def drop(self, req_id: str, token_ids: list[int] | None = None, user: str | None = None) -> None:
+        """Forget a finished request (``token_ids``: its prompt + output when it speculated, for suffix
+        decoding's index, partitioned by ``user``)."""
+        if self._on_finish is not None and token_ids is not None:
+            self._on_finish(token_ids, user)
         self.forget_kv(req_id)
         self.controller.drop(req_id)
         self._features.pop(req_id, None)

@@ -31,7 +31,7 @@ from specserve.sample.grammar import GrammarState
 from specserve.sample.rejection_sampler import verify
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
 from specserve.spec_decode.proposer import ProposeRequest
-from specserve.worker.drafter import Drafter
+from specserve.worker.drafter import Drafter, mirrors_draft_calls
 from specserve.worker.features import FeatureSink, sink_features
 from specserve.worker.graphs import (
     CaptureBackend,
@@ -124,10 +124,7 @@ class ModelRunner:
 
     def _drafts_here(self) -> bool:
         """Whether this rank needs a drafter: always on rank 0; on a follower only for mirrored draft calls."""
-        if self.mirror.leader:
-            return True
-        method = self.config.speculative.method
-        return method in ("layer_skip", "eagle") or (method == "draft" and self.config.draft_tensor_parallel_size > 1)
+        return self.mirror.leader or mirrors_draft_calls(self.config)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one KV block on this rank, target and draft (a tensor-parallel rank holds its KV heads)."""
@@ -265,9 +262,10 @@ class ModelRunner:
 
     def _sync_requests(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            c = self.requests.pop(rid, None)
             if self.drafter is not None:
-                self.drafter.drop(rid)
+                self.drafter.drop(rid, c.token_ids if c is not None and c.spec_enabled else None,
+                                  c.state.params.user if c is not None else None)
         for nr in so.new_requests:
             state = RequestSamplingState.create(nr.sampling_params, nr.prompt_token_ids, self.device,
                                                 nr.min_tokens_stop_ids,
