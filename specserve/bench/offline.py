@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import statistics
@@ -129,6 +130,9 @@ def set_batch_size(llm, batch_size: int) -> None:
     sched.config = dataclasses.replace(sched.config, max_num_seqs=batch_size)
 
 
+_RUNS = itertools.count()
+
+
 def run_once(llm, prompts: list[list[int]], batch_size: int, max_tokens: int, speculative: bool,
              ignore_eos: bool = False, constraints: list[StructuredOutputsParams | None] | None = None) -> Run:
     """One timed ``generate`` of ``max(B, len(prompts))`` requests at ``max_num_seqs = B``, greedy;
@@ -137,7 +141,9 @@ def run_once(llm, prompts: list[list[int]], batch_size: int, max_tokens: int, sp
     reqs = [prompts[i % len(prompts)] for i in range(n)]
     set_batch_size(llm, batch_size)
     llm.engine.kv.pool.reset_prefix_cache()  # every run pays its own prefill
-    base = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    # A user of its own per run: suffix decoding never drafts a run from an earlier run's outputs of the same
+    # prompts (its index is partitioned by user), so rounds measure one pass over the workload each.
+    base = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, user=f"run-{next(_RUNS)}")
     params = [dataclasses.replace(base, structured_outputs=constraints[i % len(prompts)]) if constraints else base
               for i in range(n)]
     before = llm.get_metrics()
