@@ -7,6 +7,7 @@ One server for the whole module; the engine speculates with n-gram drafts (k=3) 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -212,5 +213,8 @@ def test_metrics_endpoint(server, client):
         return float(next(line for line in text.splitlines() if line.startswith(prefix)).rsplit(" ", 1)[1])
 
     assert value("specserve:spec_decode_num_draft_tokens_total") > 0
+    # per source: the server's proposer is its one source, labelled by the method
+    assert re.search(r'^specserve:spec_decode_source_num_draft_tokens_total\{model_name="[^"]+",source="[a-z_]+"\} '
+                     r'[1-9]', text, re.M), text
     assert value("specserve:generation_tokens_total") >= 8
     assert value("specserve:e2e_request_latency_seconds_count") >= 1

@@ -252,6 +252,7 @@ class Engine:
             "prefix_cache_hits": kv.prefix_stats.hits,
             "speculative": self.spec_stats().as_dict(),
             "speculative_k": self.runner.drafter.controller.last_k if self.runner.drafter else 0,
+            "speculative_method": self.config.speculative.method,
             # per draft source ("model", "lookup", "grammar"; "" for a one-source proposer)
             "speculative_sources": {source: stats.as_dict() for source, stats in
                                     (self.runner.drafter.source_stats if self.runner.drafter else {}).items()},

@@ -90,6 +90,16 @@ class _EngineCollector:
         for pos, n in enumerate(spec_stats.get("accepted_per_position") or []):
             per_pos.add_metric([self._model, str(pos)], float(n))
         yield per_pos
+        # The same counters per draft source (the vLLM-named totals above stay label-free): "lookup", "model"
+        # and "grammar" under --prompt-lookup-first and structured outputs, else the method's name.
+        sources = m.get("speculative_sources") or {}
+        method = m.get("speculative_method") or ""
+        for name, doc, key in _SPEC_COUNTERS:
+            fam = CounterMetricFamily(name.replace("spec_decode_", "spec_decode_source_"), doc + " By draft source.",
+                                      labels=["model_name", "source"])
+            for source, stats in sorted(sources.items()):
+                fam.add_metric([self._model, source or method], float(stats.get(key, 0)))
+            yield fam
 
 
 class ServerMetrics:
