@@ -413,8 +413,51 @@ def build_json() -> list[Item]:
     return items
 
 
+NUM_AGENT_SESSIONS = 16  # x 3 turns
+
+
+def _agent_keep(d: _Def) -> bool:
+    n_lines = (d.node.end_lineno or d.node.lineno) - d.node.lineno
+    return (_public(d) and bool(ast.get_docstring(d.node)) and 4 <= n_lines <= 30
+            and len(_segment(d)) <= MAX_PROMPT_CHARS // 3)
+
+
+def build_agent() -> list[Item]:
+    """Agent sessions of 3 turns over one stdlib function, each turn a request with the whole conversation so
+    far: a tool call reads the source, the answer explains it; then a rewrite; then the tool reads the same
+    source again and the answer lists the parameters. Tool outputs repeat within a session and earlier
+    answers come back in later turns' prompts (the stand-in answers are built from the source, since the
+    model's own answers are not known here). Run in order at batch 1, a session's later turns can draft
+    from its earlier requests: suffix decoding's cross-request case."""
+    items = []
+    for i, d in enumerate(_select(SUMMARIZE_MODULES + CODE_MODULES, _agent_keep, per=2, limit=NUM_AGENT_SESSIONS)):
+        src = _segment(d)
+        def_line = next((ln.strip() for ln in src.splitlines() if ln.lstrip().startswith(("def ", "async def "))),
+                        src.splitlines()[0])
+        doc = (ast.get_docstring(d.node) or "").strip().splitlines()[0]
+        call = f'read_source(module="{d.module}", name="{d.qualname}")'
+        tool = f"Tool output:\n```python\n{src}\n```\n"
+        turn1 = [{"role": "user", "content": f"You are a coding agent with a read_source tool. Find out what "
+                                             f"`{d.module}.{d.qualname}` does."},
+                 {"role": "assistant", "content": call},
+                 {"role": "user", "content": tool + "Explain what the function does in two or three sentences, "
+                                                    "then quote its def line."}]
+        turn2 = turn1 + [{"role": "assistant", "content": f"{doc}\n\n`{def_line}`"},
+                         {"role": "user", "content": "Now rewrite the function with type hints on every parameter. "
+                                                     "Reply with the complete function in one code block."}]
+        turn3 = turn2 + [{"role": "assistant", "content": f"```python\n{src}\n```"},
+                         {"role": "user", "content": "Read it again with the tool and list its parameters."},
+                         {"role": "assistant", "content": call},
+                         {"role": "user", "content": tool + "List the parameters, one per line, then quote the "
+                                                            "def line again."}]
+        for t, messages in enumerate((turn1, turn2, turn3), start=1):
+            items.append(Item(f"agent-{i:02d}-{t}", messages, source={**d.provenance, "turn": t}, task="agent"))
+    return items
+
+
 BUILDERS: dict[str, Callable[[], list[Item]]] = {
     "code": build_code, "summarize": build_summarize, "chat": build_chat, "edit": build_edit, "json": build_json,
+    "agent": build_agent,
 }
 DESCRIPTIONS = {
     "code": "complete the body of a stdlib function from its signature and docstring",
@@ -422,6 +465,7 @@ DESCRIPTIONS = {
     "chat": "varied everyday instructions",
     "edit": "rewrite a stdlib function with one small change (best case for prompt lookup)",
     "json": "extract a stdlib function's signature as JSON under a schema (structured output)",
+    "agent": "3-turn agent sessions over a stdlib function: tool outputs and earlier answers repeat (suffix decoding)",
 }
 
 
