@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ class ShmChannel:
     written, then its number published; each rank acknowledges a frame before the next may overwrite it.
     Waiting ranks spin briefly, then poll with short sleeps (they idle between requests)."""
 
-    CAPACITY = 8 << 20
+    CAPACITY = 2 << 20  # bytes per frame; a larger message goes in several
 
     def __init__(self, path: str, rank: int, size: int, check: Callable[[], None] | None = None) -> None:
         import numpy as np
@@ -158,14 +159,18 @@ def _to_device(x: Any, device: torch.device | None) -> Any:
 
 
 # -- transports ---------------------------------------------------------------------------------------------
-SLOT_ELEMS = 1 << 20  # floats per rank and parity in the shared-memory collectives (4 MiB)
+SLOT_ELEMS = 1 << 18  # floats per rank and parity in the shared-memory collectives (1 MiB); larger go in pieces
 
 
 def shm_files(size: int) -> tuple[str, str]:
-    """Two fresh shared-memory files (collectives, messages), sized; in /dev/shm where it exists."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    """Two fresh shared-memory files (collectives, messages), sized; in /dev/shm where it exists and has room
+    (containers often give it 64 MiB; touching a page past a full tmpfs is SIGBUS), else the temp dir."""
+    sizes = (("coll", ShmComm.nbytes(size, SLOT_ELEMS)), ("msg", ShmChannel.nbytes(size)))
+    need = sum(n for _, n in sizes)
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 4 * need \
+        else tempfile.gettempdir()
     paths = []
-    for kind, nbytes in (("coll", ShmComm.nbytes(size, SLOT_ELEMS)), ("msg", ShmChannel.nbytes(size))):
+    for kind, nbytes in sizes:
         fd, path = tempfile.mkstemp(prefix=f"specserve-tp-{kind}-", dir=base)
         os.ftruncate(fd, nbytes)
         os.close(fd)
