@@ -17,16 +17,7 @@ import os
 import statistics
 import time
 
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a hash table works, step by step.",
-    "List five tips for staying focused while studying.",
-    "What are the main differences between Python lists and tuples?",
-    "Describe the water cycle to a ten year old.",
-    "Write a haiku about autumn leaves.",
-    "How do I reverse a linked list in C?",
-    "Summarize the plot of Romeo and Juliet.",
-]
+from engine_throughput import PROMPTS  # benchmarks/ is the script's directory, first on sys.path
 
 
 def run(llm, batch: int, max_tokens: int, speculative: bool) -> float:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
 import time
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -25,6 +27,23 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[mod_name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+@contextlib.contextmanager
+def serve_processes(logs: Any, args: dict[str, list[str]], timeout: float = 300.0) -> Iterator[dict[str, Any]]:
+    """`specserve serve` processes started side by side (name -> its CLI args; logs in ``logs/<name>.log``),
+    yielded once all are healthy; any still running at the end is killed."""
+    soak = load_benchmark("soak")
+    procs = {name: soak.ServerProcess(a, str(logs / f"{name}.log")) for name, a in args.items()}
+    try:
+        for p in procs.values():
+            p.wait_healthy(timeout=timeout)
+        yield procs
+    finally:
+        for p in procs.values():
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait(30)
 
 
 def save_tiny_with_demo_tokenizer(path: str, demo_tokenizer: Any, layers: int = 1) -> str:

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.reliability_helpers import load_benchmark
+from tests.reliability_helpers import serve_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -26,19 +26,10 @@ SERVE_ARGS = ["--speculative-method", "ngram", "--num-speculative-tokens", "3", 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    soak = load_benchmark("soak")
-    logs = tmp_path_factory.mktemp("shutdown-logs")
-    procs = {"long": soak.ServerProcess([*SERVE_ARGS, "--shutdown-grace-seconds", "60"], str(logs / "long.log")),
-             "short": soak.ServerProcess([*SERVE_ARGS, "--shutdown-grace-seconds", "1"], str(logs / "short.log"))}
-    try:
-        for p in procs.values():
-            p.wait_healthy(timeout=300)
+    with serve_processes(tmp_path_factory.mktemp("shutdown-logs"),
+                         {"long": [*SERVE_ARGS, "--shutdown-grace-seconds", "60"],
+                          "short": [*SERVE_ARGS, "--shutdown-grace-seconds", "1"]}) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            if p.proc.poll() is None:
-                p.proc.kill()
-                p.proc.wait(30)
 
 
 class Stream(threading.Thread):

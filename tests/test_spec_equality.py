@@ -730,6 +730,20 @@ def demo_bit_exact(method: str, dtype: str) -> None:
 
 
 # -- sampling on a mixture-of-experts target: the engine's draws follow the target's distribution ----------------
+def top_k_target_probs(model: LlamaModel, prompt: list[int], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distributions at temperature 1 with top-k of the first sampled token, p(t0), and of the
+    second, the marginal p(t1) = sum over t0 of p(t0) p(t1 | t0)."""
+    def top_k_probs(tokens: list[int]) -> torch.Tensor:
+        logits = last_logits(model, tokens).double()
+        kept = torch.full_like(logits, float("-inf"))
+        idx = logits.topk(top_k).indices
+        kept[idx] = logits[idx]
+        return torch.softmax(kept, dim=-1)
+
+    p0 = top_k_probs(prompt)
+    return p0, sum(p0[t] * top_k_probs(prompt + [int(t)]) for t in p0.nonzero().flatten())
+
+
 def test_chi2_moe_target_sampled_with_a_draft(tiny):
     """6000 seeded requests of one prompt, 3 sampled tokens each (temperature 1, top-k 4) on the Qwen3-MoE target
     with its 1-layer draft at k = 1: token 0 comes from plain sampling, token 1 from verifying a draft (a draft is
@@ -741,17 +755,7 @@ def test_chi2_moe_target_sampled_with_a_draft(tiny):
     llm = LLM(paths.target, **engine_args(256, "draft", 1, paths))
     params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
     outs = [o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=[prompt] * n)]
-    model = llm.engine.runner.model
-
-    def top_k_probs(tokens: list[int]) -> torch.Tensor:
-        logits = last_logits(model, tokens).double()
-        kept = torch.full_like(logits, float("-inf"))
-        idx = logits.topk(top_k).indices
-        kept[idx] = logits[idx]
-        return torch.softmax(kept, dim=-1)
-
-    p0 = top_k_probs(prompt)
-    p1 = sum(p0[t] * top_k_probs(prompt + [int(t)]) for t in p0.nonzero().flatten())
+    p0, p1 = top_k_target_probs(llm.engine.runner.model, prompt, top_k)
     pv0, pv1 = chi2_pvalue(position(outs, 0), p0), chi2_pvalue(position(outs, 1), p1)
     print(f"MoE chi2 p-values: token 0 {pv0:.3g}, token 1 (verified drafts) {pv1:.3g}")
     assert pv0 > 0.01 and pv1 > 0.01

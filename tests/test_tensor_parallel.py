@@ -137,7 +137,7 @@ def test_chi2_sampled_with_a_split_draft_at_tp2(tmp_path):
     prompt at temperature 1, top-k 4, a draft split over both ranks at k = 1; token 0 is plain sampling,
     token 1 comes from verifying drafts. Both follow the target's distribution, computed at TP=1."""
     from tests.test_rejection import chi2_pvalue, position
-    from tests.test_spec_equality import last_logits
+    from tests.test_spec_equality import top_k_target_probs
 
     target = save_tiny_checkpoint(tmp_path / "t", "llama", seed=7, layers=2)
     draft = save_tiny_checkpoint(tmp_path / "d", "llama", seed=8, layers=1)
@@ -149,17 +149,7 @@ def test_chi2_sampled_with_a_split_draft_at_tp2(tmp_path):
                   for i in range(n)]
         outs = [o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=[prompt] * n)]
         spec = llm.get_metrics()["speculative"]
-    model = LLM(target, **kw).engine.runner.model
-
-    def top_k_probs(tokens: list[int]) -> torch.Tensor:
-        logits = last_logits(model, tokens).double()
-        kept = torch.full_like(logits, float("-inf"))
-        idx = logits.topk(top_k).indices
-        kept[idx] = logits[idx]
-        return torch.softmax(kept, dim=-1)
-
-    p0 = top_k_probs(prompt)
-    p1 = sum(p0[t] * top_k_probs(prompt + [int(t)]) for t in p0.nonzero().flatten())
+    p0, p1 = top_k_target_probs(LLM(target, **kw).engine.runner.model, prompt, top_k)
     pv0, pv1 = chi2_pvalue(position(outs, 0), p0), chi2_pvalue(position(outs, 1), p1)
     print(f"TP=2 chi2 p-values: token 0 {pv0:.3g}, token 1 (verified drafts) {pv1:.3g}")
     assert pv0 > 0.01 and pv1 > 0.01

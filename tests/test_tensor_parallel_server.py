@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.reliability_helpers import load_benchmark
+from tests.reliability_helpers import serve_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -70,19 +70,8 @@ def _metric(url: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    soak = load_benchmark("soak")
-    logs = tmp_path_factory.mktemp("tp-logs")
-    procs = {"core": soak.ServerProcess(ARGS, str(logs / "core.log")),
-             "fault": soak.ServerProcess(ARGS, str(logs / "fault.log"))}
-    try:
-        for p in procs.values():
-            p.wait_healthy(timeout=400)
+    with serve_processes(tmp_path_factory.mktemp("tp-logs"), {"core": ARGS, "fault": ARGS}, timeout=400) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            if p.proc.poll() is None:
-                p.proc.kill()
-                p.proc.wait(30)
 
 
 def test_openai_client_streaming_disconnect_and_sigterm(servers):

@@ -19,10 +19,13 @@ from it unchanged, and the KV cache a rank allocates holds only its KV heads.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from specserve.config import ModelArch, SpecserveError
 from specserve.model.quant import GROUP, QuantizedTensor
@@ -107,10 +110,6 @@ def local_arch(arch: ModelArch, spec: ShardSpec) -> ModelArch:
                    vocab_size=spec.vocab[1] - spec.vocab[0])
 
 
-# Roles of a weight in the sharded model: how load_weights slices a checkpoint tensor.
-ROLES = ("q", "kv", "o", "ffn_out", "ffn_in", "moe_out", "moe_in", "vocab")
-
-
 def shard_tensor(t: Any, role: str, spec: ShardSpec, head_dim: int) -> Any:
     """The rank's slice of an HF-named checkpoint tensor (float or QuantizedTensor) with role ``role``:
     q / kv / ffn_out / moe_out / vocab slice rows (output features), o / ffn_in / moe_in columns."""
@@ -137,17 +136,14 @@ def shard_tensor(t: Any, role: str, spec: ShardSpec, head_dim: int) -> Any:
 
 
 def _rows(t: Any, a: int, b: int) -> Any:
-    if isinstance(t, QuantizedTensor):
-        return QuantizedTensor(t.bits, t.codes[a:b].contiguous(), t.scales[a:b].contiguous(),
-                               None if t.mins is None else t.mins[a:b].contiguous())
-    return t[a:b].contiguous()
+    return t.rows(torch.arange(a, b)) if isinstance(t, QuantizedTensor) else t[a:b].contiguous()
 
 
 def _cols(t: Any, a: int, b: int) -> Any:
     if isinstance(t, QuantizedTensor):
-        if a % GROUP or (b % GROUP and b != t.shape[1]):
+        if a % GROUP or b % GROUP:
             return _cols(t.dequantize(), a, b)  # a slice inside a group: float (requantized by the packer)
-        ga, gb = a // GROUP, -(-b // GROUP)
+        ga, gb = a // GROUP, b // GROUP
         return QuantizedTensor(t.bits, t.codes[:, a:b].contiguous(), t.scales[:, ga:gb].contiguous(),
                                None if t.mins is None else t.mins[:, ga:gb].contiguous())
     return t[:, a:b].contiguous()
@@ -172,8 +168,6 @@ class Comm:
         return self.backend == "gloo" and x.dtype in (torch.bfloat16, torch.float16)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         if self._wide(x):
             y = x.float()
             dist.all_reduce(y)
@@ -183,8 +177,6 @@ class Comm:
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension (all the same shape)."""
-        import torch.distributed as dist
-
         src = x.float() if self._wide(x) else x.contiguous()
         parts = [torch.empty_like(src) for _ in range(self.size)]
         dist.all_gather(parts, src)
@@ -221,8 +213,6 @@ class ShmComm(Comm):
 
     def __init__(self, rank: int, size: int, path: str, slot_elems: int, check: Any = None,
                  timeout: float = 300.0) -> None:
-        import numpy as np
-
         super().__init__(rank, size, "shm")
         self.path, self.slot_elems, self.check, self.timeout = path, slot_elems, check, timeout
         mm = np.memmap(path, dtype=np.uint8, mode="r+")
@@ -240,8 +230,6 @@ class ShmComm(Comm):
     def _wait(self, flags: Any, at_least: int) -> None:
         if (flags >= at_least).all():
             return
-        import time
-
         start = time.monotonic()
         spins = 0
         while not (flags >= at_least).all():

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from specserve.model.tensor_parallel import Comm, ShmComm
 
@@ -40,8 +41,6 @@ class ShmChannel:
     CAPACITY = 2 << 20  # bytes per frame; a larger message goes in several
 
     def __init__(self, path: str, rank: int, size: int, check: Callable[[], None] | None = None) -> None:
-        import numpy as np
-
         self.rank, self.size, self.check = rank, size, check
         mm = np.memmap(path, dtype=np.uint8, mode="r+")
         self._mm = mm
@@ -91,8 +90,9 @@ class Mirror:
 
     def __init__(self, comm: Comm | None, msg_group: Any = None, device: torch.device | None = None) -> None:
         self.comm, self.msg_group, self.device = comm, msg_group, device
+        # Tensor arguments (EAGLE features) travel through host memory: on a GPU they are moved out and back.
+        self._moves = device is not None and device.type != "cpu"
         self.calls: dict[str, Callable[..., Any]] = {}
-        self.busy_since: float | None = None
 
     @property
     def leader(self) -> bool:
@@ -108,21 +108,17 @@ class Mirror:
             return fn
 
         def call(*args: Any) -> Any:
-            self._send((key, _to_host(args)))
+            self._send((key, _to_host(args) if self._moves else args))
             return fn(*args)
         return call
 
     def _send(self, msg: Any) -> None:
-        import torch.distributed as dist
-
         if isinstance(self.msg_group, ShmChannel):
             self.msg_group.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
             return
         dist.broadcast_object_list([msg], src=0, group=self.msg_group)
 
     def _recv(self) -> Any:
-        import torch.distributed as dist
-
         if isinstance(self.msg_group, ShmChannel):
             return pickle.loads(self.msg_group.recv())
         box: list[Any] = [None]
@@ -135,7 +131,7 @@ class Mirror:
             key, args = self._recv()
             if key == _STOP:
                 return
-            self.calls[key](*_to_device(args, self.device))
+            self.calls[key](*(_to_device(args, self.device) if self._moves else args))
 
     def stop(self) -> None:
         if self.comm is not None and self.leader:
@@ -152,7 +148,7 @@ def _to_host(x: Any) -> Any:
 
 def _to_device(x: Any, device: torch.device | None) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.to(device) if device is not None else x
+        return x.to(device)
     if isinstance(x, (list, tuple)):
         return type(x)(_to_device(v, device) for v in x)
     return x
@@ -182,8 +178,6 @@ def collectives(rank: int, size: int, dist_backend: str, files: tuple[str, str] 
                  check: Callable[[], None]) -> tuple[Comm, Any]:
     """(the model's collectives, the message group): shared memory when ``files`` (ranks on one host, CPU),
     else torch.distributed on ``dist_backend`` with a gloo group for the messages."""
-    import torch.distributed as dist
-
     if files is not None:
         return (ShmComm(rank, size, files[0], SLOT_ELEMS, check, op_timeout().total_seconds()),
                 ShmChannel(files[1], rank, size, check))

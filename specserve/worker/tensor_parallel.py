@@ -116,12 +116,20 @@ class WorkerGroup:
         log.info("tensor parallel: %d ranks, collectives over %s (%s executor)", self.size, self.comm.backend,
                  self.backend)
 
+    def _lost_rank(self, wait: float = 0.0) -> str | None:
+        """"tensor-parallel worker rank R <why>" for the first worker that is gone (waiting up to ``wait``
+        seconds for one to go), or None."""
+        dead = self.workers.wait_dead(wait) if wait > 0 else self.workers.dead()
+        if not dead:
+            return None
+        rank, why = dead[0]
+        return f"tensor-parallel worker rank {rank} {why}"
+
     def _raise_if_lost(self) -> None:
         """Called while rank 0 spins in a shared-memory collective: a gone worker ends the wait."""
-        dead = self.workers.dead()
-        if dead:
-            rank, why = dead[0]
-            raise RuntimeError(f"tensor-parallel worker rank {rank} {why}")
+        reason = self._lost_rank()
+        if reason is not None:
+            raise RuntimeError(reason)
 
     def _wait_ready(self, store: Any) -> None:
         """Every rank checks in on the store before the process group forms; a worker that dies first is
@@ -129,36 +137,26 @@ class WorkerGroup:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         keys = [f"ready{r}" for r in range(1, self.size)]
         while not store.check(keys):
-            dead = self.workers.dead()
-            if dead:
-                rank, why = dead[0]
-                raise SpecserveError(f"tensor-parallel worker rank {rank} {why} during start-up (its log is above)")
+            reason = self._lost_rank()
+            if reason is not None:
+                raise SpecserveError(f"{reason} during start-up (its log is above)")
             if time.monotonic() > deadline:
                 raise SpecserveError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
     def startup_error(self, e: BaseException) -> SpecserveError | None:
         """A clearer error for a collective that failed while the model was being built: the dead rank."""
-        time.sleep(0.5)
-        dead = self.workers.dead()
-        if dead:
-            rank, why = dead[0]
-            return SpecserveError(f"tensor-parallel worker rank {rank} {why} while loading (its log is above): {e}")
-        return None
+        reason = self._lost_rank(0.5)
+        return None if reason is None else SpecserveError(f"{reason} while loading (its log is above): {e}")
 
     def lost(self, wait: float = 3.0) -> str | None:
         """After a collective failed: the lost rank, if a worker is gone within ``wait`` seconds (a dead peer's
         socket can fail a collective before its exit is visible). Reported as the group's failure."""
-        deadline = time.monotonic() + wait
-        while True:
-            dead = self.workers.dead()
-            if dead:
-                rank, why = dead[0]
-                self._fail(f"tensor-parallel worker rank {rank} {why}")
-                return self.failure
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
+        reason = self._lost_rank(wait)
+        if reason is None:
+            return None
+        self._fail(reason)
+        return self.failure
 
     def add_failure_listener(self, fn: Callable[[str], None]) -> None:
         with self._lock:
@@ -169,10 +167,9 @@ class WorkerGroup:
 
     def _watch(self) -> None:
         while not self._closing:
-            dead = self.workers.wait_dead(0.5)
-            if dead and not self._closing:
-                rank, why = dead[0]
-                self._fail(f"tensor-parallel worker rank {rank} {why}")
+            reason = self._lost_rank(0.5)
+            if reason is not None and not self._closing:
+                self._fail(reason)
                 return
 
     def _fail(self, reason: str) -> None:
