@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.model.attention_metadata import AttentionBackend, AttentionMetadata, build_metadata
+from specserve.model.attention_metadata import AttentionBackend, AttentionMetadata, build_metadata, tree_positions
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "CpuKernelAttention", "TorchAttention", "build_metadata",
            "make_backend"]
@@ -116,25 +116,36 @@ def _key_slots(table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tens
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int, per_kv: int, window: int | None) -> list[_GroupPlan]:
-    """One _GroupPlan per key-length bucket, over every request's groups of new tokens."""
-    buckets: dict[int, list[tuple[int, int]]] = {}  # key length -> (request, group)
-    for r, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-        if q_len > 0:
-            for g in range((s_len - q_len) // _GROUP, (s_len - 1) // _GROUP + 1):
-                buckets.setdefault(_bucket(g), []).append((r, g))
+    """One _GroupPlan per key-length bucket, over every request's groups of new tokens; then the tree tokens'."""
+    trees = meta.tree_host
     starts = [0]
     for q_len in meta.query_lens_host:
         starts.append(starts[-1] + q_len)
-    return [_group_plan(meta, starts, groups, keys, block_size, per_kv, window) for keys, groups in buckets.items()]
+    # One past each request's last ordinary token (its tree tokens, which come last, are planned apart).
+    ends = list(meta.seq_lens_host)
+    if trees is not None:
+        for r in range(meta.num_reqs):
+            ends[r] -= sum(1 for t in range(starts[r], starts[r + 1]) if trees[t][1])
+    buckets: dict[int, list[tuple[int, int]]] = {}  # key length -> (request, group)
+    for r, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        first = s_len - q_len
+        if ends[r] > first:
+            for g in range(first // _GROUP, (ends[r] - 1) // _GROUP + 1):
+                buckets.setdefault(_bucket(g), []).append((r, g))
+    plans = [_group_plan(meta, starts, ends, groups, keys, block_size, per_kv, window)
+             for keys, groups in buckets.items()]
+    if trees is not None:
+        plans += _tree_plans(meta, starts, block_size, per_kv, window)
+    return plans
 
 
-def _group_plan(meta: AttentionMetadata, req_starts: list[int], groups: list[tuple[int, int]], keys: int,
-                block_size: int, per_kv: int, window: int | None) -> _GroupPlan:
+def _group_plan(meta: AttentionMetadata, req_starts: list[int], ends: list[int], groups: list[tuple[int, int]],
+                keys: int, block_size: int, per_kv: int, window: int | None) -> _GroupPlan:
     device = meta.block_tables.device
     reqs = [r for r, _ in groups]
     starts = [req_starts[r] for r in reqs]  # flat index of each group's request's new token 0
     first = [meta.seq_lens_host[r] - meta.query_lens_host[r] for r in reqs]  # position of new token 0
-    last = [meta.seq_lens_host[r] for r in reqs]  # one past the last new token
+    last = [ends[r] for r in reqs]  # one past the last (ordinary) new token
     to_t = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
     pos = to_t([g * _GROUP for _, g in groups])[:, None] + torch.arange(_GROUP, device=device)  # [n, G]
     valid = (pos >= to_t(first)[:, None]) & (pos < to_t(last)[:, None])
@@ -142,11 +153,48 @@ def _group_plan(meta: AttentionMetadata, req_starts: list[int], groups: list[tup
     kpos = torch.arange(keys, device=device)
     slots = _key_slots(meta.block_tables[to_t(reqs)], keys, block_size)
     slots = torch.where(kpos[None, :] < to_t(last)[:, None], slots, torch.zeros_like(slots))
+    return _finish_plan(tok, valid, slots, pos, kpos, per_kv, window)
+
+
+def _finish_plan(tok: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                 kpos: torch.Tensor, per_kv: int, window: int | None) -> _GroupPlan:
     mask = kpos[None, None, :] <= pos[:, :, None]  # [n, G, S]
     if window is not None:
         mask &= kpos[None, None, :] > pos[:, :, None] - window
     mask = mask.repeat(1, per_kv, 1)[:, None]  # [n, 1, per_kv * G, S]
     return _GroupPlan(tok, valid, slots, mask, tok[valid])
+
+
+def _tree_plans(meta: AttentionMetadata, req_starts: list[int], block_size: int, per_kv: int,
+                window: int | None) -> list[_GroupPlan]:
+    """Tree tokens (``attention_metadata.TREE_DOC``): each is the one valid row of its own group, the group
+    its logical position would have in a chain, with that chain's keys (context, then its ancestors' slots).
+    Its call shape and keys are then those of the same token decoded as a chain: the same rounding."""
+    assert meta.tree_host is not None
+    device = meta.block_tables.device
+    tables = meta.block_tables.tolist()
+    buckets: dict[int, list[tuple[int, int, list[int]]]] = {}  # key length -> (flat token, position, key slots)
+    for r in range(meta.num_reqs):
+        table = tables[r]
+        for t in range(req_starts[r], req_starts[r + 1]):
+            base, mask = meta.tree_host[t]
+            if not mask:
+                continue
+            chain = list(range(base)) + tree_positions(base, mask)
+            p = len(chain) - 1
+            keys = _bucket(p // _GROUP)
+            slot = [table[c // block_size] * block_size + c % block_size for c in chain]
+            buckets.setdefault(keys, []).append((t, p, slot + [0] * (keys - len(slot))))
+    plans = []
+    for keys, items in buckets.items():
+        to_t = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
+        p = to_t([x[1] for x in items])
+        pos = (p // _GROUP * _GROUP)[:, None] + torch.arange(_GROUP, device=device)  # [n, G]
+        valid = pos == p[:, None]
+        tok = torch.where(valid, to_t([x[0] for x in items])[:, None], torch.zeros_like(pos))
+        plans.append(_finish_plan(tok, valid, to_t([x[2] for x in items]), pos, torch.arange(keys, device=device),
+                                  per_kv, window))
+    return plans
 
 
 class CpuKernelAttention(TorchAttention):
@@ -161,7 +209,8 @@ class CpuKernelAttention(TorchAttention):
         if query.shape[-1] % 8:
             return super().attend(query, kv_cache, meta, scale, window)
         return torch.ops.specserve_cpu.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc,
-                                                       meta.seq_lens, scale, window or 0)
+                                                       meta.seq_lens, scale, window or 0, meta.tree_base,
+                                                       meta.tree_mask)
 
 
 def make_backend(name: str) -> AttentionBackend:

@@ -25,10 +25,37 @@ class AttentionMetadata:
     block_size: int = 16
     # Backend-private precomputation shared by all layers of one forward (e.g. gather indices, masks).
     plan: Any = None
+    # Draft trees (None when no row of the step holds one; see ``TREE_DOC``): per new token, the chain
+    # position where its request's tree region starts and the bitmask of the tree-region keys it sees
+    # (0: an ordinary token), as device tensors and as host pairs.
+    tree_base: torch.Tensor | None = None  # [num_tokens] int64
+    tree_mask: torch.Tensor | None = None  # [num_tokens] int64
+    tree_host: list[tuple[int, int]] | None = None
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_host)
+
+
+TREE_DOC = """Tree tokens. A row's new tokens occupy consecutive KV slots (chain positions) as always, but a
+*tree token* sees only part of them: with tree base ``b`` and mask ``m``, it attends to the keys at chain
+positions ``0 .. b - 1`` (the verified context) and to ``b + j`` for each bit ``j`` of ``m`` (its ancestors in
+the draft tree and itself, ``j < MAX_TREE_SLOTS``), in that order; its logical position (rope, sliding window)
+is ``b + popcount(m) - 1``. So a tree token computes exactly what the same token computes when its path is
+decoded as a chain: same keys, same order. In a row, tree tokens follow its ordinary tokens."""
+
+MAX_TREE_SLOTS = 63  # bits of a non-negative int64 mask
+
+
+def tree_positions(base: int, mask: int) -> list[int]:
+    """The chain positions a tree token sees past its context: ``base + j`` for each bit j of ``mask``."""
+    out, j = [], 0
+    while mask:
+        if mask & 1:
+            out.append(base + j)
+        mask >>= 1
+        j += 1
+    return out
 
 
 class AttentionBackend(Protocol):

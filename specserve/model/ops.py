@@ -56,7 +56,7 @@ class CpuFusedOps(TorchOps):
               rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
               ) -> tuple[torch.Tensor, torch.Tensor]:
         weights = _fused_weights(layer, kv_cache)
-        if weights is None:
+        if weights is None or meta.tree_mask is not None:  # draft trees: the per-op path (the same numbers)
             return super().layer(layer, h, delta, positions, rope, kv_cache, meta, backend)
         a = layer.attn
         return torch.ops.specserve_cpu.decoder_layer(

@@ -33,7 +33,7 @@ import torch
 from specserve.model.attention import AttentionMetadata
 from specserve.model.llama import LlamaModel
 from specserve.platform import Platform, staged
-from specserve.worker.input_batch import HostBatch, batch_views, pack_batch, upload
+from specserve.worker.input_batch import HostBatch, RowTree, batch_views, pack_batch, upload
 
 log = logging.getLogger("specserve")
 
@@ -200,10 +200,12 @@ class ModelStep:
             )
 
     def __call__(self, token_ids: Sequence[Sequence[int]], starts: list[int],
-                 block_ids: Sequence[Sequence[int]], prenorm: bool = False) -> StepOutput:
-        bucket = self.bucket(token_ids, block_ids)
+                 block_ids: Sequence[Sequence[int]], prenorm: bool = False,
+                 trees: Sequence[RowTree | None] | None = None) -> StepOutput:
+        """``trees``: draft-tree rows (``input_batch.pack_batch``); a step with one runs eager."""
+        bucket = None if trees is not None and any(t is not None for t in trees) else self.bucket(token_ids, block_ids)
         if bucket is None:
-            return self._eager(token_ids, starts, block_ids, prenorm)
+            return self._eager(token_ids, starts, block_ids, prenorm, trees)
         return self._replay(bucket, token_ids, starts, block_ids, prenorm)
 
     def bucket(self, token_ids: Sequence[Sequence[int]], block_ids: Sequence[Sequence[int]]) -> int | None:
@@ -219,8 +221,9 @@ class ModelStep:
         return next((b for b in plan.batch_sizes if b >= len(token_ids)), None)
 
     def _eager(self, token_ids: Sequence[Sequence[int]], starts: list[int],
-               block_ids: Sequence[Sequence[int]], prenorm: bool) -> StepOutput:
-        fb = upload(pack_batch(token_ids, starts, block_ids, self.block_size), self.device)
+               block_ids: Sequence[Sequence[int]], prenorm: bool,
+               trees: Sequence[RowTree | None] | None = None) -> StepOutput:
+        fb = upload(pack_batch(token_ids, starts, block_ids, self.block_size, trees=trees), self.device)
         out = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.meta, num_layers=self.num_layers,
                          return_prenorm=prenorm)
         hidden, pre = out if isinstance(out, tuple) else (out, None)

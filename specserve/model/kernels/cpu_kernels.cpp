@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -185,16 +186,17 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// One (token, KV head): the token at position pos over keys first .. pos.
+// One (token, KV head): the token at position pos over keys first .. pos; with key_pos (a tree token), key i
+// is the one at chain position key_pos[i] instead of first + i.
 template <typename KV>
 void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int32_t* table, int64_t first,
                  int64_t pos, int64_t kvh, int per_kv, int64_t D, int64_t H_kv, int64_t block_size, float scale,
-                 float* out, std::vector<float>& scores) {
+                 float* out, std::vector<float>& scores, const int64_t* key_pos = nullptr) {
   const int64_t n = pos + 1 - first, stride = (n + 7) / 8 * 8;
   scores.assign(static_cast<size_t>(per_kv * stride), -INFINITY);
   std::vector<const KV*> rows(static_cast<size_t>(n));  // key first + i's K row (V row: the same offset)
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = first + i;
+    const int64_t p = key_pos != nullptr ? key_pos[i] : first + i;
     const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
     rows[i] = k_cache + (slot * H_kv + kvh) * D;
   }
@@ -255,7 +257,7 @@ void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int
 template <typename KV>
 void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                     const at::Tensor& qsl, const at::Tensor& seq_lens, double scale, int64_t window,
-                    at::Tensor& out) {
+                    const int64_t* tree_base, const int64_t* tree_mask, at::Tensor& out) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = kv.size(2), H_kv = kv.size(3), R = seq_lens.size(0);
   const int per_kv = static_cast<int>(H / H_kv);
@@ -265,11 +267,21 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
   const int32_t* qs = qsl.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   std::vector<int64_t> req_of(T), pos_of(T);
+  // Tree tokens (model/attention_metadata.py TREE_DOC): their keys' chain positions, context then the mask's.
+  std::vector<std::vector<int64_t>> tree_keys(tree_mask != nullptr ? T : 0);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t q_len = qs[r + 1] - qs[r];
     for (int64_t i = 0; i < q_len; ++i) {
-      req_of[qs[r] + i] = r;
-      pos_of[qs[r] + i] = sl[r] - q_len + i;
+      const int64_t t = qs[r] + i;
+      req_of[t] = r;
+      pos_of[t] = sl[r] - q_len + i;
+      if (tree_mask != nullptr && tree_mask[t] != 0) {
+        std::vector<int64_t>& keys = tree_keys[t];
+        for (int64_t p = 0; p < tree_base[t]; ++p) keys.push_back(p);
+        for (int64_t j = 0; j < 63; ++j)
+          if ((tree_mask[t] >> j) & 1) keys.push_back(tree_base[t] + j);
+        pos_of[t] = static_cast<int64_t>(keys.size()) - 1;
+      }
     }
   }
   const float* qp = q.data_ptr<float>();
@@ -280,16 +292,18 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / H_kv, kvh = i % H_kv;
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos_of[t] - window + 1) : 0;
+      const int64_t* key_pos = tree_keys.empty() || tree_keys[t].empty() ? nullptr : tree_keys[t].data() + first;
       attend_item<KV>(qp + (t * H + kvh * per_kv) * D, k_cache, v_cache, tp + req_of[t] * ld_table, first,
                       pos_of[t], kvh, per_kv, D, H_kv, block_size, static_cast<float>(scale),
-                      op + (t * H + kvh * per_kv) * D, scores);
+                      op + (t * H + kvh * per_kv) * D, scores, key_pos);
     }
   });
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                           int64_t window) {
+                           int64_t window, const std::optional<at::Tensor>& tree_base = std::nullopt,
+                           const std::optional<at::Tensor>& tree_mask = std::nullopt) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.is_contiguous(), "bad attention shapes");
   TORCH_CHECK(query.size(2) % 8 == 0 && query.size(2) == kv_cache.size(4), "head_dim must be a multiple of 8");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of KV heads");
@@ -299,11 +313,22 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
   at::Tensor out = at::empty_like(q);
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor qsl = query_start_loc.contiguous(), sl = seq_lens.contiguous();
+  at::Tensor tb, tm;
+  const int64_t* tbp = nullptr;
+  const int64_t* tmp = nullptr;
+  if (tree_mask.has_value() && tree_base.has_value()) {
+    tb = tree_base->contiguous();
+    tm = tree_mask->contiguous();
+    TORCH_CHECK(tb.scalar_type() == at::kLong && tm.scalar_type() == at::kLong && tm.numel() == q.size(0) &&
+                tb.numel() == q.size(0), "tree_base / tree_mask must be int64 [num_tokens]");
+    tbp = tb.data_ptr<int64_t>();
+    tmp = tm.data_ptr<int64_t>();
+  }
   if (kv_cache.scalar_type() == at::kFloat) {
-    attention_impl<float>(q, kv_cache, tables, qsl, sl, scale, window, out);
+    attention_impl<float>(q, kv_cache, tables, qsl, sl, scale, window, tbp, tmp, out);
   } else {
     TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "KV cache must be float32 or bfloat16");
-    attention_impl<at::BFloat16>(q, kv_cache, tables, qsl, sl, scale, window, out);
+    attention_impl<at::BFloat16>(q, kv_cache, tables, qsl, sl, scale, window, tbp, tmp, out);
   }
   return out.to(query.scalar_type());
 }
@@ -448,7 +473,7 @@ TORCH_LIBRARY(specserve_cpu, m) {
   m.def("q4_mm(Tensor x, Tensor packed, Tensor scale, Tensor mins) -> Tensor");
   m.def("q8_mm(Tensor x, Tensor codes, Tensor scale) -> Tensor");
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor seq_lens, float scale, int window) -> Tensor");
+        "Tensor seq_lens, float scale, int window, Tensor? tree_base=None, Tensor? tree_mask=None) -> Tensor");
   m.def("decoder_layer(Tensor h, Tensor? delta, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor qkv_codes, Tensor qkv_scale, Tensor? qkv_mins, Tensor? qkv_bias, Tensor o_codes, Tensor o_scale, "
         "Tensor? o_mins, Tensor gate_up_codes, Tensor gate_up_scale, Tensor? gate_up_mins, Tensor down_codes, "
