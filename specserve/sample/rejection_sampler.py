@@ -230,3 +230,99 @@ def _check_inputs(logits: torch.Tensor, states: list[RequestSamplingState], row_
             raise ValueError(f"request {i}: draft_probs shape {tuple(q.shape)}, expected ({len(d)}, {vocab})")
         if any(not 0 <= t < vocab for t in d):
             raise ValueError(f"request {i}: draft token out of range [0, {vocab}): {d}")
+
+
+# -- draft trees ---------------------------------------------------------------------------------------------
+def tree_children(parents: list[int]) -> list[list[int]]:
+    """Children of each tree row (row 0 = the root, row i + 1 = node i), in node order."""
+    kids: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        kids[p + 1].append(i)
+    return kids
+
+
+def verify_tree(processed_logits: torch.Tensor, state: RequestSamplingState, tokens: list[int],
+                parents: list[int]) -> tuple[list[int], list[int]]:
+    """One request's draft tree: (emitted tokens, accepted node indices along the path).
+
+    ``processed_logits`` [N + 1, V]: row 0 the root's, row i + 1 node i's (each processed as after its
+    ancestors); ``tokens[i]`` node i's token, ``parents[i]`` its parent's node index (-1: the root), every
+    parent before its children. Greedy: follow the child that equals the target's argmax while one does,
+    then emit the argmax. Sampled: ``tree_walk`` (multi-draft rejection, exact; docs/speculation.md).
+    """
+    n = len(tokens)
+    if processed_logits.shape[0] != n + 1 or len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
+        raise ValueError(f"bad tree: {processed_logits.shape[0]} rows for {n} nodes, parents {parents}")
+    kids = tree_children(parents)
+    if state.params.greedy:
+        best = processed_logits.argmax(dim=-1).tolist()
+        row, emitted, path = 0, [], []
+        while True:
+            tok = best[row]
+            emitted.append(tok)
+            nxt = next((c for c in kids[row] if tokens[c] == tok), None)
+            if nxt is None:
+                return emitted, path
+            path.append(nxt)
+            row = nxt + 1
+    logits = processed_logits.float()
+    dev, vocab = logits.device, logits.shape[1]
+    gen = state.generator
+    if gen is None:
+        uniforms = torch.rand(1, n, device=dev)
+        noise = torch.empty(1, vocab, device=dev).exponential_()
+    else:
+        uniforms = torch.rand(1, n, generator=gen, device=gen.device).to(dev)
+        noise = torch.empty(1, vocab, device=gen.device).exponential_(generator=gen).to(dev)
+    emitted_t, path_t = tree_walk(torch.softmax(logits, dim=-1), to_device(tokens, dev, torch.long),
+                                  _children_table(kids, dev), uniforms, noise)
+    em, pa = emitted_t[0].tolist(), path_t[0].tolist()
+    return [t for t in em if t >= 0], [p for p in pa if p >= 0]
+
+
+def _children_table(kids: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max(map(len, kids)))
+    return to_device([k + [-1] * (width - len(k)) for k in kids], device, torch.long)
+
+
+def tree_walk(probs: torch.Tensor, tokens: torch.Tensor, children: torch.Tensor, uniforms: torch.Tensor,
+              noise: torch.Tensor, zero_rejected: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-draft rejection sampling down a tree, for D independent draws at once.
+
+    probs [R, V] target distributions per tree row; tokens [N] node tokens; children [R, C] node indices
+    (-1 padded) in a fixed order; uniforms [D, N] (one per node); noise [D, V] Exponential(1).
+    At a row with distribution p and children x_1 .. x_m (distinct tokens, chosen without looking at the
+    target's randomness), keep weights w = p: for each child in order, accept it with probability
+    w(x_j) / sum(w) and move to it; else set w(x_j) = 0 (the residual). When every child is rejected (or
+    there are none), emit a sample of w / sum(w). Then P(emit x_j) = p(x_j) for every token, candidate or
+    not, so the emitted sequence is distributed as sampling the target token by token.
+    ``zero_rejected=False`` is the deliberately broken sampler the statistical test must catch.
+    Returns ([D, depth + 1] emitted tokens, [D, depth] accepted node indices), -1 padded.
+    """
+    d_draws, vocab = noise.shape
+    dev = probs.device
+    ar = torch.arange(d_draws, device=dev)
+    row = torch.zeros(d_draws, dtype=torch.long, device=dev)
+    live = torch.ones(d_draws, dtype=torch.bool, device=dev)
+    emitted, path = [], []
+    while bool(live.any()):
+        w = probs[row].clone()  # [D, V]
+        moved = torch.zeros(d_draws, dtype=torch.bool, device=dev)
+        nxt = torch.full((d_draws,), -1, dtype=torch.long, device=dev)
+        for j in range(children.shape[1]):
+            c = children[row, j]  # [D]
+            try_ = live & ~moved & (c >= 0)
+            cc = c.clamp_min(0)
+            x = tokens[cc]
+            acc = try_ & (uniforms[ar, cc] * w.sum(dim=-1) < w[ar, x])
+            nxt = torch.where(acc, c, nxt)
+            moved |= acc
+            if zero_rejected:
+                w[ar, x] = torch.where(try_ & ~acc, torch.zeros_like(w[ar, x]), w[ar, x])
+        final = (w / noise).argmax(dim=-1)  # exponential race over the residual
+        tok = torch.where(moved, tokens[nxt.clamp_min(0)], final)
+        emitted.append(torch.where(live, tok, torch.full_like(tok, -1)))
+        path.append(torch.where(live & moved, nxt, torch.full_like(nxt, -1)))
+        live = live & moved
+        row = torch.where(moved, nxt + 1, row)
+    return torch.stack(emitted, dim=1), torch.stack(path, dim=1)[:, :-1]
