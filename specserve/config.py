@@ -194,6 +194,8 @@ class ParallelConfig:
 
 SPEC_METHODS = ("draft", "ngram", "layer_skip", "eagle", "suffix")
 LOOKUP_FIRST_MIN_N = 3  # --prompt-lookup-first: the shortest repeated suffix that lets lookup draft
+MAX_TREE_TOPK = 8
+MAX_TREE_NODES = 63  # tree-region keys per token are an int64 bitmask (model/attention_metadata.py)
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,14 @@ class SpeculativeConfig:
     # Suffix decoding (spec_decode/suffix.py): finished requests' tokens kept for drafting, per user.
     suffix_cache_tokens: int = field(default=200_000, metadata=flag(
         "suffix: tokens of finished requests (prompt + output) kept for drafting, oldest evicted first"))
+    # Draft trees (EAGLE-2's dynamic tree; spec_decode/eagle.py): each depth expands the eagle_topk best nodes
+    # by cumulative draft probability into their eagle_topk best children; the best num_draft_tokens nodes
+    # (fewer when the controller's measured costs say so) are verified in one pass. SGLang's flag names.
+    eagle_topk: int = field(default=1, metadata=flag(
+        "eagle: branching of the draft tree (1 = chains, the default)", kw="speculative_eagle_topk"))
+    num_draft_tokens: int | None = field(default=None, metadata=flag(
+        "eagle with --speculative-eagle-topk > 1: the most tree nodes verified per step (default 2k + 2)",
+        kw="speculative_num_draft_tokens"))
     # Tensor parallel: the draft model on rank 0 alone (1) or split like the target (its size; None = that).
     draft_tensor_parallel_size: int | None = field(default=None, metadata=flag(
         "the draft model's tensor-parallel size: 1 (on rank 0 alone) or the target's (default)",
@@ -253,6 +263,27 @@ class SpeculativeConfig:
             raise ValueError("suffix_cache_tokens must be >= 0")
         if self.draft_tensor_parallel_size is not None and self.draft_tensor_parallel_size < 1:
             raise ValueError("draft_tensor_parallel_size must be >= 1")
+        if not 1 <= self.eagle_topk <= MAX_TREE_TOPK:
+            raise ValueError(f"eagle_topk must be in 1..{MAX_TREE_TOPK}")
+        if self.eagle_topk > 1:
+            if self.method != "eagle":
+                raise ValueError(f"draft trees (eagle_topk > 1) need an EAGLE head, not method {self.method!r}")
+            if self.num_draft_tokens is None:
+                object.__setattr__(self, "num_draft_tokens", min(MAX_TREE_NODES, 2 * self.num_speculative_tokens + 2))
+            assert self.num_draft_tokens is not None
+            if not 1 <= self.num_draft_tokens <= MAX_TREE_NODES:
+                raise ValueError(f"num_draft_tokens must be in 1..{MAX_TREE_NODES}")
+            if self.eagle_topk * (self.num_speculative_tokens - 1) > MAX_TREE_NODES:
+                raise ValueError(f"a tree of depth {self.num_speculative_tokens} with eagle_topk {self.eagle_topk} "
+                                 f"expands more than {MAX_TREE_NODES} nodes: lower one of them")
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots drafting writes past a request's tokens: k for chains; a tree's expansions and its nodes."""
+        k = self.num_speculative_tokens
+        if self.eagle_topk > 1:
+            return max(k, self.num_draft_tokens or 0, self.eagle_topk * (k - 1))
+        return k
 
     @property
     def enabled(self) -> bool:
@@ -272,6 +303,8 @@ class SpeculativeConfig:
         grammar_drafts: bool | None = None,
         draft_tensor_parallel_size: int | None = None,
         suffix_cache_tokens: int | None = None,
+        speculative_eagle_topk: int | None = None,
+        speculative_num_draft_tokens: int | None = None,
     ) -> SpeculativeConfig:
         """Merge vLLM V0-style flags and a V1-style ``--speculative-config`` JSON into one config."""
         cfg: dict[str, Any] = {}
@@ -319,6 +352,9 @@ class SpeculativeConfig:
             else cfg.get("draft_tensor_parallel_size"),
             suffix_cache_tokens=int(suffix_cache_tokens if suffix_cache_tokens is not None
                                     else cfg.get("suffix_cache_tokens", 200_000)),
+            eagle_topk=int(speculative_eagle_topk if speculative_eagle_topk is not None else cfg.get("eagle_topk", 1)),
+            num_draft_tokens=speculative_num_draft_tokens if speculative_num_draft_tokens is not None
+            else cfg.get("num_draft_tokens"),
         )
 
 

@@ -33,6 +33,9 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]
     needs_sample: bool  # the row reaches the end of the request's known tokens
     resumed: bool  # first step after a preemption (draft KV is gone)
+    # A draft tree: the parent of each draft (an index among the drafts; -1: the last known token), every
+    # parent before its children. None: the drafts are a chain.
+    spec_parents: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +59,7 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]]  # emitted tokens per sampling row (accepted drafts + 1)
     spec_token_ids: dict[str, list[int]]  # drafts proposed for the next step
     logprobs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    spec_parents: dict[str, list[int]] = field(default_factory=dict)  # the drafts that form a tree
 
 
 @dataclass(slots=True)

@@ -102,6 +102,7 @@ class Request:
     # NOTE: the only source of truth for what is in the KV cache: positions < num_computed_tokens.
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_parents: list[int] | None = None  # a draft tree's parents (outputs.ScheduledRequest.spec_parents)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     resumed: bool = False  # scheduled again after preemption (the worker drops draft state)

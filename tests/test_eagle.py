@@ -95,6 +95,20 @@ def test_greedy_equal_with_eagle_head(tiny, reference, batch, head):
     assert spec["accepted_tokens"] < spec["draft_tokens"], spec  # rejections happened too: rollback tested
 
 
+@pytest.mark.parametrize("head", ["head", "head_multi"])
+@pytest.mark.parametrize("batch,topk,nodes", [(1, 3, 8), (4, 2, 5), (4, 4, 16)])
+def test_greedy_equal_with_draft_trees(tiny, reference, head, batch, topk, nodes):
+    """EAGLE-2 dynamic trees: the accepted path's KV is moved into place, the rest is stale; greedy output
+    equals plain decoding, and paths other than the head's first choice get accepted."""
+    llm = LLM(tiny["target"], speculative_method="eagle", speculative_model=tiny[head], num_speculative_tokens=3,
+              speculative_adaptive=False, max_num_seqs=batch, speculative_eagle_topk=topk,
+              speculative_num_draft_tokens=nodes, **ENGINE)
+    assert _greedy(llm) == reference
+    spec = llm.get_metrics()["speculative"]
+    assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0, spec
+    assert llm.engine.runner.drafter.controller.tree_calibration != 1.0  # trees were verified and measured
+
+
 def test_speculative_model_alone_selects_eagle(tiny, reference):
     llm = LLM(tiny["target"], speculative_model=tiny["head"], num_speculative_tokens=2, **ENGINE)
     assert llm.engine.config.speculative.method == "eagle"

@@ -80,7 +80,7 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        lookahead = config.speculative.num_speculative_tokens if self.runner.drafts_write_kv else 0
+        lookahead = config.speculative.lookahead_slots if self.runner.drafts_write_kv else 0
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, lookahead)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(target.arch.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, target.arch.vocab_size,

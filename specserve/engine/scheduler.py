@@ -128,6 +128,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.spec_parents = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -140,7 +141,8 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens
             known = req.all_token_ids[start:start + n]
-            drafts = req.spec_token_ids[:n - len(known)]
+            drafts = req.spec_token_ids[:n - len(known)]  # a tree's first nodes are a tree too
+            parents = tuple(req.spec_parents[:len(drafts)]) if req.spec_parents is not None and drafts else None
             if req.request_id in self._unseen:
                 self._unseen.discard(req.request_id)
                 new_reqs.append(NewRequestData(req.request_id, list(req.prompt_token_ids),
@@ -154,6 +156,7 @@ class Scheduler:
                 block_ids=tuple(self.kv.block_ids(req)),
                 needs_sample=start + len(known) == req.num_tokens,
                 resumed=req.resumed,
+                spec_parents=parents,
             ))
             req.resumed = False
         finished, self._finished_ids = self._finished_ids, []
@@ -173,10 +176,12 @@ class Scheduler:
                 continue
             req.num_computed_tokens += row.num_tokens
             req.spec_token_ids = []
+            req.spec_parents = None
             emitted = ro.sampled.get(row.req_id)
             if emitted is None:  # a prefill chunk that does not reach the end of the prompt
                 continue
-            # NOTE: rejected drafts' KV is stale; moving the counter back is the whole rollback.
+            # NOTE: rejected drafts' KV is stale; moving the counter back is the whole rollback (a tree's
+            # accepted path was moved into the first slots by the worker).
             num_accepted = len(emitted) - 1
             req.num_computed_tokens -= row.num_spec_tokens - num_accepted
             req.spec_stats.record(row.num_spec_tokens, num_accepted)
@@ -187,4 +192,5 @@ class Scheduler:
                 self.finish(req, status)
             else:
                 req.spec_token_ids = ro.spec_token_ids.get(row.req_id, [])
+                req.spec_parents = ro.spec_parents.get(row.req_id)
         return progressed

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.model.attention_metadata import AttentionBackend, AttentionMetadata, build_metadata, tree_positions
+from specserve.model.attention_metadata import (
+    AttentionBackend,
+    AttentionMetadata,
+    build_metadata,
+    tree_positions,
+)
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "CpuKernelAttention", "TorchAttention", "build_metadata",
            "make_backend"]

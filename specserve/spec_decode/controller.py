@@ -132,6 +132,10 @@ class SpecController:
         # request's estimate (a new request starts from it).
         self._global: dict[str, list[float]] = {"": [prior_alpha] * max(1, max_k)}
         self.last_k = max_k  # the largest k of the last step (the `spec_decode_k` gauge)
+        # Draft trees: decayed sums of predicted (draft path probabilities of the verified nodes) and
+        # accepted nodes, whose ratio calibrates the draft's confidence into expected accepted tokens.
+        self._tree_pred = 0.0
+        self._tree_acc = 0.0
 
     @property
     def global_rates(self) -> list[float]:
@@ -157,6 +161,16 @@ class SpecController:
         acc.observe(num_draft, num_accepted, decay=0.8)
         for j in range(min(num_draft, num_accepted + 1, k)):
             g[j] = 0.95 * g[j] + 0.05 * (1.0 if j < num_accepted else 0.0)
+
+    def record_tree(self, predicted: float, accepted: int) -> None:
+        """One verified tree: the sum of its nodes' draft path probabilities, and its accepted path's length."""
+        self._tree_pred = 0.95 * self._tree_pred + predicted
+        self._tree_acc = 0.95 * self._tree_acc + accepted
+
+    @property
+    def tree_calibration(self) -> float:
+        """Accepted nodes per unit of draft path probability (1 until trees were measured)."""
+        return (self._tree_acc + 1.0) / (self._tree_pred + 1.0)
 
     def record_target(self, num_tokens: int, seconds: float) -> None:
         self.target_cost.add(num_tokens, seconds)
@@ -239,6 +253,29 @@ class SpecController:
                 best_n, best_rate = n, rate
         out = [0] * b
         for _, i in pairs[:best_n]:
+            out[i] += 1
+        return out
+
+    def choose_tree_sizes(self, probs: list[list[float]]) -> list[int]:
+        """How many of each request's tree nodes to verify (a prefix of its nodes ranked by draft path
+        probability ``probs[i]``, descending; 0 = none). A node is worth its calibrated path probability in
+        expected tokens; a step of T tokens costs the measured ``T_target(T)``: the best prefix over all nodes
+        by falling worth maximises predicted tokens/s, as ``choose_ks`` does for chains. The drafting is
+        already paid for here."""
+        if not self.adaptive or self.target_cost.distinct() < 2:
+            return [len(p) for p in probs]
+        c = self.tree_calibration
+        items = sorted(((c * p, i) for i, ps in enumerate(probs) for p in ps), key=lambda x: -x[0])
+        b = len(probs)
+        best_n, best_rate = 0, self._rate(b, 0, 0, float(b), 0, 0) * (1.0 + self.min_gain)
+        tokens = float(b)
+        for n, (m, _) in enumerate(items, start=1):
+            tokens += m
+            rate = self._rate(b, 0, n, tokens, 0, 0)
+            if rate > best_rate * 1.0001:
+                best_n, best_rate = n, rate
+        out = [0] * b
+        for _, i in items[:best_n]:
             out[i] += 1
         return out
 

@@ -11,6 +11,15 @@ KV (and features) for positions ``< L - 1``, so each proposal:
 
 The head's KV therefore holds true entries below ``L`` after a proposal (``_valid``); the draft entries above
 are overwritten by the next catch-up, whatever was accepted (they were computed from predicted features).
+
+Draft trees (``--speculative-eagle-topk b`` > 1; EAGLE-2, Li et al. 2024, arXiv 2406.16858): the root's b most
+likely tokens are depth 1; each later depth feeds the b nodes of the previous depth with the highest
+cumulative draft log-probability to the head *as a tree* (one forward; each entry attends to the context and
+its own expanded ancestors, ``model/attention_metadata.TREE_DOC``; entry e of a proposal sits in head slot
+``L + e``) and adds their b best children. The ``choose_nodes`` callback (the controller: measured step
+costs against the calibrated path probabilities) then keeps the best nodes, which go to verification
+ordered by depth, parents first. Requests whose logits processing depends on the drafts before a row
+(penalties, grammars, an unmet ``min_tokens``) draft chains.
 A feature the worker never saw (position 0, or the last position of a prefix-cache hit) is zeros, and a
 prefix-cached block written by a request that did not speculate holds stale head entries: both only cost
 acceptance, never exactness -- verification decides every emitted token.
@@ -18,27 +27,41 @@ acceptance, never exactness -- verification decides every emitted token.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
+from specserve.sample.sampler import RequestSamplingState
 from specserve.spec_decode.draft_model import DraftSampler, draft_chain
 from specserve.spec_decode.proposer import Draft, ProposeRequest
 
-# (tokens per request, features h_{p-1} per request [n_i, hidden], first position per request, block ids)
-# -> ([B, vocab] logits at each request's last entry, [B, hidden] the head's predicted feature there).
-EagleStep = Callable[[list[list[int]], list[torch.Tensor], list[int], list[tuple[int, ...]]],
-                     tuple[torch.Tensor, torch.Tensor]]
+# (tokens per request, features h_{p-1} per request [n_i, hidden], first position per request, block ids
+# [, tree rows]) -> ([B, vocab] logits at each request's last entry, [B, hidden] the head's predicted feature
+# there); with tree rows (``worker/input_batch.RowTree``) at every entry: [T, vocab], [T, hidden].
+EagleStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# Per request, its candidate nodes' draft path probabilities (descending) -> how many to verify.
+ChooseNodes = Callable[[list[list[float]]], list[int]]
+
+
+def tree_eligible(state: RequestSamplingState) -> bool:
+    """Whether a request's logits processing is the same at every row whatever the drafts before it (no
+    penalties, no grammar, min_tokens met): a tree's rows are then processed like a chain's."""
+    p = state.params
+    return state.grammar is None and not p.uses_penalties and len(state.output_token_ids) >= (p.min_tokens or 0)
 
 
 class EagleProposer:
     writes_kv = True
 
-    def __init__(self, step: EagleStep, feature_size: int, vocab_size: int) -> None:
+    def __init__(self, step: EagleStep, feature_size: int, vocab_size: int, topk: int = 1, max_nodes: int = 0,
+                 choose_nodes: ChooseNodes | None = None) -> None:
         self.step = step
         self.feature_size = feature_size  # the target's feature per position: n feature layers x hidden
         self.sampler = DraftSampler(vocab_size)
         self._valid: dict[str, int] = {}  # req_id -> head KV holds true entries for positions below this
+        self.topk, self.max_nodes = topk, max_nodes
+        self.choose_nodes = choose_nodes
 
     def drop(self, req_id: str) -> None:
         self._valid.pop(req_id, None)
@@ -58,6 +81,21 @@ class EagleProposer:
             starts.append(start)
         blocks = [r.block_ids for r in reqs]
         logits, pred = self.step(toks, feats, starts, blocks)  # [B, V], [B, hidden]
+        for r in reqs:
+            self._valid[r.req_id] = len(r.token_ids)
+        tree = [i for i, r in enumerate(reqs) if self.topk > 1 and tree_eligible(r.state)]
+        if len(tree) == len(reqs):
+            return self._trees(reqs, logits, pred)
+        chain = [i for i in range(len(reqs)) if i not in set(tree)]
+        out: list[Draft] = [Draft([])] * len(reqs)
+        for part, drafts in ((chain, self._chains([reqs[i] for i in chain], logits[chain], pred[chain])),
+                             (tree, self._trees([reqs[i] for i in tree], logits[tree], pred[tree]) if tree else [])):
+            for i, d in zip(part, drafts):
+                out[i] = d
+        return out
+
+    def _chains(self, reqs: list[ProposeRequest], logits: torch.Tensor, pred: torch.Tensor) -> list[Draft]:
+        blocks = [r.block_ids for r in reqs]
         state = {"pred": pred}
 
         def advance(rows: list[int], active: list[int], last: list[int], pos: list[int]) -> torch.Tensor:
@@ -65,10 +103,53 @@ class EagleProposer:
                                               pos, [blocks[i] for i in active])
             return logits
 
-        drafts = draft_chain(reqs, logits, self.sampler, advance)
-        for r in reqs:
-            self._valid[r.req_id] = len(r.token_ids)
-        return drafts
+        return draft_chain(reqs, logits, self.sampler, advance)
+
+    def _trees(self, reqs: list[ProposeRequest], logits: torch.Tensor, pred: torch.Tensor) -> list[Draft]:
+        """Dynamic draft trees of depth ``r.k`` (module docstring); [B, V] logits and [B, hidden] predicted
+        features at each request's root."""
+        b = self.topk
+        trees = [_Tree() for _ in reqs]
+        vals, ids = torch.log_softmax(logits.float(), dim=-1).topk(b, dim=-1)  # [B, b]
+        for t, v, x, h in zip(trees, vals.tolist(), ids.tolist(), pred):
+            t.frontier = [t.add(tok, -1, s, h) for tok, s in zip(x, v)]
+        for depth in range(2, max(r.k for r in reqs) + 1):
+            active = []
+            rows, toks, feats, starts, rts = [], [], [], [], []
+            for i, r in enumerate(reqs):
+                t, n = trees[i], len(r.token_ids)
+                front = t.frontier[:max(0, r.slots - t.expanded)] if r.k >= depth else []  # entries in its blocks
+                if not front:
+                    continue
+                active.append(i)
+                masks = []
+                for j, node in enumerate(front):
+                    t.slot[node] = t.expanded + j
+                    par = t.parents[node]
+                    masks.append((t.mask[par] if par >= 0 else 0) | (1 << t.slot[node]))
+                    t.mask[node] = masks[-1]
+                    rows.append((i, node))
+                toks.append([t.tokens[node] for node in front])
+                feats.append(torch.stack([t.feature[node] for node in front]))
+                starts.append(n + t.expanded)  # head slots n + e for the proposal's entries e
+                rts.append((n, masks))
+                t.expanded += len(front)
+            if not active:
+                break
+            logits, pred = self.step(toks, feats, starts, [reqs[i].block_ids for i in active], rts)  # [T, ...]
+            vals, ids = torch.log_softmax(logits.float(), dim=-1).topk(b, dim=-1)  # [T, b]
+            new: dict[int, list[int]] = {i: [] for i in active}
+            for (i, node), v, x, h in zip(rows, vals.tolist(), ids.tolist(), pred):
+                t = trees[i]
+                new[i] += [t.add(tok, node, t.scores[node] + s, h) for tok, s in zip(x, v)]
+            for i in active:
+                t = trees[i]
+                t.frontier = sorted(new[i], key=lambda node: -t.scores[node])[:b]
+        ranked = [sorted(range(len(t.tokens)), key=lambda node: (-t.scores[node], t.depth[node]))
+                  [:min(self.max_nodes, r.slots)] for t, r in zip(trees, reqs)]
+        probs = [[math.exp(trees[i].scores[node]) for node in r] for i, r in enumerate(ranked)]
+        sizes = self.choose_nodes(probs) if self.choose_nodes is not None else [len(r) for r in ranked]
+        return [t.draft(r[:n]) for t, r, n in zip(trees, ranked, sizes)]
 
     def _features(self, f: torch.Tensor | None, first: int, lo: int, hi: int) -> torch.Tensor:
         """[hi - lo, feature size]: the target's features for positions lo .. hi - 1 (``f`` holds positions from
@@ -82,3 +163,36 @@ class EagleProposer:
             if b > a:
                 out[a - lo:b - lo] = f[a - first:b - first]
         return out
+
+
+class _Tree:
+    """One request's draft tree while it grows: candidate nodes (token, parent, cumulative log-probability,
+    the head's feature that predicts the node's children), and which nodes the head expanded where."""
+
+    __slots__ = ("tokens", "parents", "scores", "depth", "feature", "slot", "mask", "frontier", "expanded")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.depth: list[int] = []
+        self.feature: list[torch.Tensor] = []  # the predicted feature of the entry that proposed the node
+        self.slot: dict[int, int] = {}  # expanded node -> its proposal entry (head slot L + entry)
+        self.mask: dict[int, int] = {}  # expanded node -> bits of its expanded path's entries
+        self.frontier: list[int] = []
+        self.expanded = 0
+
+    def add(self, token: int, parent: int, score: float, feature: torch.Tensor) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.depth.append(self.depth[parent] + 1 if parent >= 0 else 1)
+        self.feature.append(feature)
+        return len(self.tokens) - 1
+
+    def draft(self, nodes: list[int]) -> Draft:
+        """The chosen nodes (closed under parents) as a draft tree, by depth then score."""
+        order = sorted(nodes, key=lambda node: (self.depth[node], -self.scores[node]))
+        index = {node: j for j, node in enumerate(order)}
+        return Draft([self.tokens[node] for node in order], None,
+                     [index[self.parents[node]] if self.parents[node] >= 0 else -1 for node in order])

@@ -27,12 +27,17 @@ class ProposeRequest:
     # EAGLE: (first position, [n, hidden]) target features (pre-norm last-layer hidden states) computed since
     # the last proposal, for positions first .. num_computed - 1; None for other proposers.
     features: tuple[int, torch.Tensor] | None = None
+    # KV slots past the known tokens that drafting may write and a tree may fill (allocated, within room).
+    slots: int = 0
 
 
 @dataclass(slots=True)
 class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab] processed draft distributions
+    # A tree (``outputs.ScheduledRequest.spec_parents``): each draft's parent; None: a chain. Tree drafts
+    # are candidates, verified by multi-draft rejection (``sample.rejection_sampler.verify_tree``): no q.
+    parents: list[int] | None = None
 
 
 class Proposer(Protocol):

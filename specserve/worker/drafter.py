@@ -80,6 +80,9 @@ class Drafter:
         self.source_stats: dict[str, SpecStats] = {}
         self._calls: list[tuple[int, int, float]] = []  # (rows, tokens, seconds) of one proposal's model steps
         self._on_finish: Callable[[list[int], str | None], None] | None = None  # suffix decoding's index
+        # Draft trees: the predicted accepted nodes (sum of draft path probabilities) of each tree in flight.
+        self._tree_predicted: dict[str, float] = {}
+        self._tree_sizes: list[float] = []
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _load_draft_model(self) -> LlamaModel | EagleHead | None:
@@ -134,7 +137,8 @@ class Drafter:
             assert isinstance(self.model, EagleHead)
             step = self.mirror.wrap("eagle", eagle_step(self.target, self.model, self.kv_caches[0], block_size, device))
             return EagleProposer(self._timed(step), arch.hidden_size * self.model.cfg.num_feature_layers,
-                                 arch.vocab_size)
+                                 arch.vocab_size, spec_config.eagle_topk, spec_config.num_draft_tokens or 0,
+                                 self._choose_nodes)
         if spec_config.method == "layer_skip":
             layers = spec_config.draft_layers or max(1, arch.num_layers // 4)
             if layers >= arch.num_layers:
@@ -173,6 +177,7 @@ class Drafter:
         self.forget_kv(req_id)
         self.controller.drop(req_id)
         self._features.pop(req_id, None)
+        self._tree_predicted.pop(req_id, None)
         self._sources.pop(req_id, None)
 
     def forget_kv(self, req_id: str) -> None:
@@ -185,11 +190,27 @@ class Drafter:
         """One target step's cost (the runner skips steps that captured a graph)."""
         self.controller.record_target(num_tokens, seconds)
 
-    def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int) -> None:
+    def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int,
+                          parents: tuple[int, ...] | None = None) -> None:
+        """One verification: ``num_accepted`` of ``num_draft`` drafts (a tree: its nodes, ``parents``)."""
         source = self._sources.pop(req_id, "")
-        self.controller.record_acceptance(req_id, num_draft, num_accepted, source)
+        predicted = self._tree_predicted.pop(req_id, None)
+        if parents is not None:  # the controller's positions are depths
+            depth: list[int] = []
+            for p in parents:
+                depth.append(depth[p] + 1 if p >= 0 else 1)
+            self.controller.record_acceptance(req_id, max(depth), num_accepted, source)
+            if predicted is not None:
+                self.controller.record_tree(predicted, num_accepted)
+        else:
+            self.controller.record_acceptance(req_id, num_draft, num_accepted, source)
         if num_draft:
             self.source_stats.setdefault(source, SpecStats()).record(num_draft, num_accepted)
+
+    def _choose_nodes(self, probs: list[list[float]]) -> list[int]:
+        sizes = self.controller.choose_tree_sizes(probs)
+        self._tree_sizes = [sum(p[:n]) for p, n in zip(probs, sizes)]
+        return sizes
 
     def propose(self, cands: list[ProposeRequest]) -> dict[str, Draft]:
         """Drafts for the next step. ``cands``: the speculating requests after this step, each with ``k`` the
@@ -225,14 +246,18 @@ class Drafter:
             return out
         t0, captures = time.perf_counter(), self.num_captures()
         self._calls = []
+        self._tree_sizes = []
         drafts = proposer.propose(reqs)
+        tree_reqs = [r for r, d in zip(reqs, drafts) if d.parents is not None]
+        for r, predicted in zip(tree_reqs, self._tree_sizes):
+            self._tree_predicted[r.req_id] = predicted
         stepped = [r.k for r, s in zip(reqs, req_sources) if s not in FREE_SOURCES]  # drafts costing model steps
         step_cost = draft_step_cost(self._calls, time.perf_counter() - t0, max(stepped, default=1))
         self._calls = []
         if stepped and self.num_captures() == captures:  # a step that captured a graph is no cost sample
             controller.record_draft(len(stepped), step_cost)
         for r, d, source in zip(reqs, drafts, req_sources):
-            if use_grammar and r.state.grammar is not None and d.token_ids:
+            if use_grammar and r.state.grammar is not None and d.token_ids and d.parents is None:
                 n = r.state.grammar.valid_prefix(d.token_ids)
                 d = Draft(d.token_ids[:n], d.probs[:n] if d.probs is not None and n else None)
             if d.token_ids:

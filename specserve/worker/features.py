@@ -16,7 +16,7 @@ from specserve.model.eagle_head import EagleHead
 from specserve.model.llama import LlamaModel
 from specserve.outputs import ScheduledRequest
 from specserve.spec_decode.eagle import EagleStep
-from specserve.worker.input_batch import flat_batch
+from specserve.worker.input_batch import RowTree, flat_batch
 
 FeatureSink = Callable[[str, int, torch.Tensor], None]
 
@@ -60,14 +60,17 @@ class FeatureBuffer:
 
 def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size: int,
                device: torch.device) -> EagleStep:
-    """The head's forward over a flat batch of entries, with the target's embedding, final norm and LM head."""
+    """The head's forward over a flat batch of entries, with the target's embedding, final norm and LM head:
+    logits and predicted features at each request's last entry; with ``trees`` (a draft tree's expansion,
+    ``input_batch.pack_batch``) at every entry."""
     def step(token_ids: list[list[int]], feats: list[torch.Tensor], starts: list[int],
-             block_ids: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-        fb = flat_batch(token_ids, starts, block_ids, block_size, device)
+             block_ids: list[tuple[int, ...]], trees: list[RowTree | None] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        fb = flat_batch(token_ids, starts, block_ids, block_size, device, trees)
         with torch.inference_mode():
             embeds = target.embed_tokens(fb.input_ids)  # [T, hidden]
             f = torch.cat(feats).to(device=device, dtype=embeds.dtype)  # [T, hidden]
             pred = head(embeds, f, fb.positions, kv, fb.meta)  # [T, hidden]
-            last = pred[fb.meta.query_start_loc[1:].long() - 1]  # [B, hidden]
+            last = pred if trees is not None else pred[fb.meta.query_start_loc[1:].long() - 1]  # [B or T, hidden]
             return head.draft_logits(target.norm(last), target.compute_logits), last
     return step

@@ -28,7 +28,7 @@ from specserve.model.tensor_parallel import Comm, TensorParallel
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import Platform, resolve_dtype, to_device
 from specserve.sample.grammar import GrammarState
-from specserve.sample.rejection_sampler import verify
+from specserve.sample.rejection_sampler import verify, verify_tree
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
 from specserve.spec_decode.proposer import ProposeRequest
 from specserve.worker.drafter import Drafter, mirrors_draft_calls
@@ -41,6 +41,7 @@ from specserve.worker.graphs import (
     batch_buckets,
     select_capture,
 )
+from specserve.worker.input_batch import RowTree
 from specserve.worker.mirror import Mirror
 
 log = logging.getLogger("specserve")
@@ -116,6 +117,7 @@ class ModelRunner:
             self.drafter.start(self._alloc_kv, self.kv_caches, self.block_size, self.graph_plan)
         self.requests: dict[str, CachedRequest] = {}
         self._target_call = self.mirror.wrap("target", self._forward)
+        self._move_kv_call = self.mirror.wrap("move_kv", self._move_kv)
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _build(self, ckpt: Checkpoint, tp: TensorParallel | None = None) -> LlamaModel:
@@ -207,9 +209,10 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------------------------------
     def _forward(self, token_ids: list[tuple[int, ...]], starts: list[int], block_ids: list[tuple[int, ...]],
-                 prenorm: bool, logits_at: list[int]) -> tuple[StepOutput, torch.Tensor | None]:
+                 prenorm: bool, logits_at: list[int], trees: list[RowTree | None] | None = None
+                 ) -> tuple[StepOutput, torch.Tensor | None]:
         """The target forward and the logits at ``logits_at`` (flat token indices): one mirrored call."""
-        out = self.target_step(token_ids, starts, block_ids, prenorm=prenorm)
+        out = self.target_step(token_ids, starts, block_ids, prenorm=prenorm, trees=trees)
         if not logits_at:
             return out, None
         return out, self.model.compute_logits(out.hidden[to_device(logits_at, self.device, torch.int64)])
@@ -223,8 +226,10 @@ class ModelRunner:
         t0, captures = time.perf_counter(), drafter.num_captures() if drafter is not None else 0
         sink = self.feature_sink
         sample_rows = [r for r in rows if r.needs_sample]
+        trees = [_row_tree(r) for r in rows]
         out, logits = self._target_call([r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
-                                        [r.block_ids for r in rows], sink is not None, self._logits_indices(rows))
+                                        [r.block_ids for r in rows], sink is not None, self._logits_indices(rows),
+                                        trees if any(t is not None for t in trees) else None)
         prenorm = out.prenorm  # [T, hidden]: the last layer's output, pre-norm (when a sink wants it)
         if logits is None:  # no row samples this step (prefill chunks only)
             if sink is not None and prenorm is not None:
@@ -237,8 +242,10 @@ class ModelRunner:
         qs = [c.draft_probs[:r.num_spec_tokens] if c.draft_probs is not None and r.num_spec_tokens else None
               for c, r in zip(cached, sample_rows)]
         processed = process_logits(logits, states, counts, drafts)
-        emitted = verify(processed, states, counts, drafts, qs)
-        logprobs = self._logprobs(logits, sample_rows, cached, counts, emitted)
+        emitted, paths = self._verify(processed, sample_rows, states, counts, drafts, qs)
+        if paths:
+            self._settle_trees(rows, paths, prenorm)
+        logprobs = self._logprobs(logits, sample_rows, cached, counts, emitted, paths)
         if drafter is not None and drafter.num_captures() == captures:  # a capture step is no cost sample
             drafter.record_target(so.total_tokens, time.perf_counter() - t0)
         for r, c, em in zip(sample_rows, cached, emitted):
@@ -248,12 +255,76 @@ class ModelRunner:
             c.token_ids.extend(em)
             c.draft_probs = None
             if drafter is not None:
-                drafter.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1)
+                drafter.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1, r.spec_parents)
         sampled = {r.req_id: em for r, em in zip(sample_rows, emitted)}
         if sink is not None and prenorm is not None:
             sink_features(rows, sampled, prenorm, sink)
-        spec_token_ids = self._propose(sample_rows, emitted) if drafter is not None else {}
-        return ModelRunnerOutput(sampled, spec_token_ids, logprobs)
+        spec_token_ids, spec_parents = self._propose(sample_rows, emitted) if drafter is not None else ({}, {})
+        return ModelRunnerOutput(sampled, spec_token_ids, logprobs, spec_parents)
+
+    @staticmethod
+    def _verify(processed: torch.Tensor, rows: list[ScheduledRequest], states: list[RequestSamplingState],
+                counts: list[int], drafts: list[list[int]], qs: list[torch.Tensor | None]
+                ) -> tuple[list[list[int]], dict[int, list[int]]]:
+        """Emitted tokens per sampling row, and the accepted node path of each tree row (by row index)."""
+        tree = [i for i, r in enumerate(rows) if r.spec_parents is not None]
+        if not tree:
+            return verify(processed, states, counts, drafts, qs), {}
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        emitted: list[list[int]] = [[] for _ in rows]
+        paths: dict[int, list[int]] = {}
+        for i in tree:
+            parents = rows[i].spec_parents
+            assert parents is not None
+            emitted[i], paths[i] = verify_tree(processed[starts[i]:starts[i + 1]], states[i], drafts[i], list(parents))
+        chain = [i for i in range(len(rows)) if rows[i].spec_parents is None]
+        if chain:
+            idx = to_device([j for i in chain for j in range(starts[i], starts[i + 1])], processed.device, torch.long)
+            for i, em in zip(chain, verify(processed[idx], [states[i] for i in chain], [counts[i] for i in chain],
+                                           [drafts[i] for i in chain], [qs[i] for i in chain])):
+                emitted[i] = em
+        return emitted, paths
+
+    def _settle_trees(self, rows: list[ScheduledRequest], paths: dict[int, list[int]],
+                      prenorm: torch.Tensor | None) -> None:
+        """Move each tree's accepted path into the slots right after its root, as if it had been a chain: the
+        target's KV (one mirrored call) and the step's features. The rest of the tree is stale, like rejected
+        chain drafts."""
+        sample_rows = [r for r in rows if r.needs_sample]
+        flat_start, off = {}, 0
+        for r in rows:
+            flat_start[r.req_id] = off
+            off += r.num_tokens
+        src: list[int] = []
+        dst: list[int] = []
+        for i, path in paths.items():
+            r = sample_rows[i]
+            first = r.num_tokens - r.num_spec_tokens  # row index of node 0
+            moved = [(first + p, first + j) for j, p in enumerate(path) if p != j]
+            if not moved:
+                continue
+            bs = self.block_size
+            for a, b in moved:
+                pa, pb = r.num_computed_tokens + a, r.num_computed_tokens + b
+                src.append(r.block_ids[pa // bs] * bs + pa % bs)
+                dst.append(r.block_ids[pb // bs] * bs + pb % bs)
+            if prenorm is not None:
+                base = flat_start[r.req_id]
+                with torch.inference_mode():  # the step's features are inference tensors
+                    prenorm[[base + b for _, b in moved]] = prenorm[[base + a for a, _ in moved]]
+        if src:
+            self._move_kv_call(src, dst)
+
+    def _move_kv(self, src: list[int], dst: list[int]) -> None:
+        """KV slots ``src`` -> ``dst`` in every target layer (each dst is before or at its src, and no dst is a
+        later src: a tree's path moves forward in slot order)."""
+        s, d = to_device(src, self.device, torch.long), to_device(dst, self.device, torch.long)
+        with torch.inference_mode():
+            for kv in self.kv_caches:
+                flat = kv.view(2, -1, *kv.shape[3:])
+                flat[:, d] = flat[:, s]
 
     def _keep_features(self, req_id: str, pos: int, h: torch.Tensor) -> None:
         c = self.requests.get(req_id)
@@ -287,7 +358,8 @@ class ModelRunner:
         return idx
 
     def _logprobs(self, logits: torch.Tensor, rows: list[ScheduledRequest], cached: list[CachedRequest],
-                  counts: list[int], emitted: list[list[int]]) -> dict[str, list[dict]]:
+                  counts: list[int], emitted: list[list[int]], paths: dict[int, list[int]]
+                  ) -> dict[str, list[dict]]:
         want = [c.state.params.logprobs for c in cached]
         if all(w is None for w in want):
             return {}
@@ -295,8 +367,9 @@ class ModelRunner:
         row_idx: list[int] = []
         toks: list[int] = []
         start = 0
-        for n, em in zip(counts, emitted):
-            row_idx.extend(range(start, start + len(em)))
+        for i, (n, em) in enumerate(zip(counts, emitted)):
+            path = paths.get(i)  # a tree: the root's row, then the accepted nodes' rows
+            row_idx.extend(range(start, start + len(em)) if path is None else [start] + [start + 1 + p for p in path])
             toks.extend(em)
             start += n
         lp = compute_logprobs(logits[row_idx], torch.tensor(toks, device=logits.device), top_n)
@@ -314,9 +387,10 @@ class ModelRunner:
                 out[r.req_id] = entries
         return out
 
-    def _propose(self, rows: list[ScheduledRequest], emitted: list[list[int]]) -> dict[str, list[int]]:
+    def _propose(self, rows: list[ScheduledRequest], emitted: list[list[int]]
+                 ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """The drafter's drafts for the speculating rows, each capped by the room left (max_tokens, context;
-        a row without room still counts in the controller's batch)."""
+        a row without room still counts in the controller's batch), and the parents of those that are trees."""
         assert self.drafter is not None
         cands = []
         for r, em in zip(rows, emitted):
@@ -324,11 +398,25 @@ class ModelRunner:
             room = min(c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
             if c.spec_enabled:
                 valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
-                cands.append(ProposeRequest(r.req_id, c.token_ids, valid, room, r.block_ids, c.state))
+                slots = min(room, len(r.block_ids) * self.block_size - len(c.token_ids))
+                cands.append(ProposeRequest(r.req_id, c.token_ids, valid, room, r.block_ids, c.state, slots=slots))
         drafts = self.drafter.propose(cands) if cands else {}
         for req_id, d in drafts.items():
             self.requests[req_id].draft_probs = d.probs
-        return {req_id: d.token_ids for req_id, d in drafts.items()}
+        return ({req_id: d.token_ids for req_id, d in drafts.items()},
+                {req_id: d.parents for req_id, d in drafts.items() if d.parents is not None})
+
+
+def _row_tree(r: ScheduledRequest) -> RowTree | None:
+    """A tree row's attention layout (``model/attention_metadata.TREE_DOC``): node i sits at chain position
+    base + i and sees its ancestors' (mask bits) on top of the context."""
+    if r.spec_parents is None:
+        return None
+    known = r.num_tokens - r.num_spec_tokens
+    masks: list[int] = []
+    for i, p in enumerate(r.spec_parents):
+        masks.append((masks[p] if p >= 0 else 0) | (1 << i))
+    return r.num_computed_tokens + known, [0] * known + masks
 
 
 def _available_memory(platform: Platform) -> float:
