@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve import SamplingParams
-from specserve.config import SpecserveError
+from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.distill import dense
 from specserve.llm import LLM
 from specserve.model.eagle_head import EagleConfig, EagleHead, save_eagle_head
@@ -107,6 +107,64 @@ def test_greedy_equal_with_draft_trees(tiny, reference, head, batch, topk, nodes
     spec = llm.get_metrics()["speculative"]
     assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0, spec
     assert llm.engine.runner.drafter.controller.tree_calibration != 1.0  # trees were verified and measured
+
+
+TREE = dict(speculative_method="eagle", num_speculative_tokens=3, speculative_eagle_topk=3,
+            speculative_num_draft_tokens=9)
+
+
+@pytest.mark.parametrize("case", ["preemption", "chunked_prefill", "prefix_cache", "lookup_first", "batch_32"])
+def test_draft_trees_greedy_equal_across_the_matrix(tiny, reference, case):
+    engine = dict(ENGINE, max_num_seqs=8)
+    if case == "preemption":  # 16 blocks of 16 tokens for 8 requests: preempted and resumed mid-tree
+        engine.update(num_blocks=16)
+    elif case == "chunked_prefill":
+        engine.update(max_num_batched_tokens=24)
+    elif case == "lookup_first":
+        engine.update(prompt_lookup_first=True)
+    elif case == "batch_32":
+        engine.update(max_num_seqs=32)
+    llm = LLM(tiny["target"], speculative_model=tiny["head"], speculative_adaptive=False, **TREE, **engine)
+    assert _greedy(llm) == reference
+    if case == "prefix_cache":  # the second pass hits the first's cached blocks
+        assert _greedy(llm) == reference
+        assert llm.get_metrics()["prefix_cache_hits"] > 0
+    if case == "preemption":
+        assert llm.get_metrics()["num_preemptions"] > 0
+
+
+def test_draft_trees_mixed_with_chains_and_stops(tiny, reference):
+    """Penalised requests draft chains (their rows depend on the drafts before them) next to tree requests;
+    stop strings and max_tokens cut inside an accepted tree path exactly where plain decoding stops."""
+    plain = LLM(tiny["target"], max_num_seqs=8, **ENGINE)
+    llm = LLM(tiny["target"], speculative_model=tiny["head"], speculative_adaptive=False, max_num_seqs=8, **TREE,
+              **ENGINE)
+    params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3 if i % 2 else 1.0,
+                             stop=[PROMPTS[i][-2:]] if i % 3 == 0 else None) for i in range(len(PROMPTS))]
+    want = [o.outputs[0] for o in plain.generate(PROMPTS, params)]
+    got = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [(o.token_ids, o.text, o.finish_reason)
+                                                                      for o in want]
+
+
+def test_seeded_tree_sampling_alone_equals_in_batch(tiny):
+    llm = LLM(tiny["target"], speculative_model=tiny["head"], speculative_adaptive=False, max_num_seqs=8, **TREE,
+              **ENGINE)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=16)
+    alone = llm.generate(PROMPTS[:1], params)[0].outputs[0].token_ids
+    batch = llm.generate(PROMPTS, params)[0].outputs[0].token_ids
+    assert alone == batch
+
+
+def test_tree_flags_are_checked():
+    with pytest.raises(ValueError, match="EAGLE head"):
+        SpeculativeConfig.from_args(speculative_method="ngram", num_speculative_tokens=3, speculative_eagle_topk=2)
+    with pytest.raises(ValueError, match="expands more than"):
+        SpeculativeConfig.from_args(speculative_method="eagle", speculative_model="x", num_speculative_tokens=9,
+                                    speculative_eagle_topk=8)
+    cfg = SpeculativeConfig.from_args(speculative_method="eagle", speculative_model="x", num_speculative_tokens=4,
+                                      speculative_eagle_topk=4)
+    assert cfg.num_draft_tokens == 10 and cfg.lookahead_slots == 12
 
 
 def test_speculative_model_alone_selects_eagle(tiny, reference):

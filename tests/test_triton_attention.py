@@ -182,3 +182,25 @@ def test_paged_attention_gpu_realistic_shapes(dtype):
     ref = TorchAttention().attend(query.float(), kv_cache.float(), meta, 128 ** -0.5)
     tol = 1e-3 if dtype == torch.float32 else 2e-2
     assert (out.float() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_tree_rows_match_the_reference(window):
+    """Draft trees (attention_metadata.TREE_DOC): a tree next to a chain and a prefill chunk, against the
+    torch reference (which computes each tree token exactly as its path decoded as a chain)."""
+    from specserve.worker.input_batch import flat_batch
+
+    parents = [-1, -1, 0, 0, 1, 2, 5, 3, -1]
+    masks = []
+    for i, p in enumerate(parents):
+        masks.append((masks[p] if p >= 0 else 0) | (1 << i))
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 12, 8, 2, 16, generator=g)
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    rows, starts = [7, 3, 1 + len(parents)], [5, 13, 20]
+    query = torch.randn(sum(rows), 4, 16, generator=g)
+    fb = flat_batch([[0] * n for n in rows], starts, tables, 8, torch.device(DEVICE),
+                    [None, None, (21, [0] + masks)])
+    ref = TorchAttention().attend(query.to(DEVICE), kv.to(DEVICE), fb.meta, 0.25, window)
+    out = TritonAttention().attend(query.to(DEVICE), kv.to(DEVICE), fb.meta, 0.25, window)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

@@ -193,9 +193,9 @@ def _tree_plans(meta: AttentionMetadata, req_starts: list[int], block_size: int,
     plans = []
     for keys, items in buckets.items():
         to_t = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
-        p = to_t([x[1] for x in items])
-        pos = (p // _GROUP * _GROUP)[:, None] + torch.arange(_GROUP, device=device)  # [n, G]
-        valid = pos == p[:, None]
+        at = to_t([x[1] for x in items])
+        pos = (at // _GROUP * _GROUP)[:, None] + torch.arange(_GROUP, device=device)  # [n, G]
+        valid = pos == at[:, None]
         tok = torch.where(valid, to_t([x[0] for x in items])[:, None], torch.zeros_like(pos))
         plans.append(_finish_plan(tok, valid, to_t([x[2] for x in items]), pos, torch.arange(keys, device=device),
                                   per_kv, window))

@@ -64,8 +64,18 @@ def _reshape_and_cache_kernel(
 
 
 @triton.jit
+def _popcount(x):
+    """Set bits of each int64 (SWAR)."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    return ((x * 0x0101010101010101) >> 56) & 0xFF
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    tree_base_ptr, tree_mask_ptr,  # draft trees (attention_metadata.TREE_DOC); read only with HAS_TREE
     scale_log2,  # softmax scale * log2(e): scores go through exp2
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -74,7 +84,7 @@ def _paged_attention_kernel(
     head_dim,
     window,  # sliding window (a row at q_pos sees keys q_pos - window < k_pos <= q_pos); 0: none
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, HAS_TREE: tl.constexpr,
 ):
     req = tl.program_id(0)
     m_start = tl.program_id(1) * BLOCK_M
@@ -92,7 +102,12 @@ def _paged_attention_kernel(
     head_in_group = rows % GROUP_PAD
     row_ok = (tok < q_len) & (head_in_group < GROUP)
     head = kv_head * GROUP + head_in_group
-    q_pos = ctx_len + tok  # absolute position of each row's token
+    q_pos = ctx_len + tok  # absolute (chain) position of each row's token
+    if HAS_TREE:  # a tree token sees keys below its base, and the base + j of its mask's bits j
+        t_base = tl.load(tree_base_ptr + q_start + tok, mask=tok < q_len, other=0)
+        t_mask = tl.load(tree_mask_ptr + q_start + tok, mask=tok < q_len, other=0)
+        is_tree = t_mask != 0
+        logical = tl.where(is_tree, t_base + _popcount(t_mask) - 1, q_pos)  # rope / window position
     d = tl.arange(0, D_PAD)
     d_ok = d < head_dim
     q_row = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
@@ -107,7 +122,11 @@ def _paged_attention_kernel(
     # Keys the tile reads: kv_lo .. kv_end - 1, from the first key its first token sees (0 without a window)
     # to its last real token's position; each row then masks the keys outside its own window.
     k_lo = tl.where(window > 0, q_pos - window + 1, 0)  # [ROWS] first key of each row
+    if HAS_TREE:
+        k_lo = tl.where(window > 0, logical - window + 1, 0)  # logical positions; tree keys mapped below
     kv_lo = tl.maximum(tl.where(window > 0, ctx_len + m_start - window + 1, 0), 0)
+    if HAS_TREE:  # a tree row's logical position is below its chain position, but never below ctx_len
+        kv_lo = tl.maximum(tl.where(window > 0, ctx_len - window + 1, 0), 0)
     kv_end = ctx_len + tl.minimum(m_start + BLOCK_M, q_len)
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_r
     head_base = cache_ptr + kv_head.to(tl.int64) * stride_c_h
@@ -121,7 +140,16 @@ def _paged_attention_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [ROWS, BLOCK_N] fp32
-        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= k_lo[:, None]) & k_ok[None, :]
+        if HAS_TREE:
+            rel = k_pos[None, :].to(tl.int64) - t_base[:, None]  # [ROWS, BLOCK_N]
+            in_tree = is_tree[:, None] & (rel >= 0)
+            bit = (t_mask[:, None] >> tl.maximum(tl.minimum(rel, 62), 0)) & 1
+            below = t_mask[:, None] & ((tl.full([1, 1], 1, tl.int64) << tl.maximum(tl.minimum(rel, 62), 0)) - 1)
+            k_logical = tl.where(in_tree, t_base[:, None] + _popcount(below), k_pos[None, :])
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_logical >= k_lo[:, None]) & k_ok[None, :]
+            visible = visible & (~in_tree | ((bit != 0) & (rel < 63)))
+        else:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= k_lo[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -193,12 +221,14 @@ class TritonAttention:
         # Never add a per-step host value (max_seq_len, ...) here: a captured graph would bake it in (the
         # window is a per-layer constant).
         grid = (meta.num_reqs, triton.cdiv(meta.max_query_len, block_m), num_kv_heads)
+        has_tree = meta.tree_mask is not None
         _paged_attention_kernel[grid](
             out, query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            meta.tree_base if has_tree else meta.seq_lens, meta.tree_mask if has_tree else meta.seq_lens,
             scale * _LOG2E,
             *query.stride(), *out.stride(), *kv_cache.stride(), *meta.block_tables.stride(),
             head_dim, window or 0,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size,
-            BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad,
+            BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, HAS_TREE=has_tree,
         )
         return out

@@ -256,7 +256,9 @@ def verify_tree(processed_logits: torch.Tensor, state: RequestSamplingState, tok
     kids = tree_children(parents)
     if state.params.greedy:
         best = processed_logits.argmax(dim=-1).tolist()
-        row, emitted, path = 0, [], []
+        row = 0
+        emitted: list[int] = []
+        path: list[int] = []
         while True:
             tok = best[row]
             emitted.append(tok)
