@@ -1,7 +1,8 @@
 """Speculative decoding on the demo model: every method, adaptive on and off, batch 1 / 8 / 32, in one run.
 
-For each method (n-gram k=5, layer_skip k=4, a draft model k=4 when ``--draft PATH`` is given, an EAGLE head
-with ``--eagle DIR``, k = ``--eagle-k``) one engine is loaded; for each dataset and each controller mode
+For each method (n-gram k=5, suffix k=5, layer_skip k=4, a draft model k=4 when ``--draft PATH`` is given, an
+EAGLE head with ``--eagle DIR``, k = ``--eagle-k``: chains, with prompt lookup first, and draft trees) one engine
+is loaded; for each dataset and each controller mode
 (``--adaptive on|off|both``) a fresh controller is installed on it, and ``specserve.bench.offline.run_offline`` measures the same prompts with speculation off and on (interleaved,
 warm-up excluded, medians over repeats). Printed per row: tok/s off and on, their ratio, acceptance rate,
 mean acceptance length, the ideal speedup from the measured alpha and c, and efficiency = measured / ideal.
@@ -39,6 +40,7 @@ def row(dataset: str, method: str, adaptive: bool, b: dict[str, Any]) -> list[st
 
 def methods(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     out = [("ngram k=5", {"speculative_method": "ngram", "num_speculative_tokens": 5}),
+           ("suffix k=5", {"speculative_method": "suffix", "num_speculative_tokens": 5}),
            ("layer_skip k=4", {"speculative_method": "layer_skip", "num_speculative_tokens": 4,
                                "draft_layers": args.draft_layers})]
     if args.draft:
@@ -51,6 +53,11 @@ def methods(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
                         {"speculative_method": "eagle", "speculative_model": args.eagle,
                          "num_speculative_tokens": lookup_k, "prompt_lookup_first": True,
                          "prompt_lookup_min": args.lookup_min}))
+        if args.tree_topk > 1:
+            out.append((f"eagle-tree k={args.eagle_k} B={args.tree_topk} N={args.tree_nodes}",
+                        {"speculative_method": "eagle", "speculative_model": args.eagle,
+                         "num_speculative_tokens": args.eagle_k, "speculative_eagle_topk": args.tree_topk,
+                         "speculative_num_draft_tokens": args.tree_nodes}))
     wanted = args.methods.split(",") if args.methods else None
     return [(n, kw) for n, kw in out if wanted is None or n.split()[0] in wanted]
 
@@ -65,6 +72,8 @@ def main() -> int:
     ap.add_argument("--lookup-min", type=int, default=None,
                     help="eagle+lookup: shortest repeated suffix that lets prompt lookup draft (default: the engine's)")
     ap.add_argument("--lookup-k", default=None, help="eagle+lookup: k, or several comma-separated (default: --eagle-k)")
+    ap.add_argument("--tree-topk", type=int, default=3, help="eagle-tree: branching (1: no tree method)")
+    ap.add_argument("--tree-nodes", type=int, default=8, help="eagle-tree: the most nodes verified per step")
     ap.add_argument("--methods", default=None, help="subset, e.g. ngram,layer_skip")
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (the engine's --dtype)")
     ap.add_argument("--datasets", "--dataset", dest="datasets", default="edit",

@@ -60,6 +60,7 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]]  # drafts proposed for the next step
     logprobs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     spec_parents: dict[str, list[int]] = field(default_factory=dict)  # the drafts that form a tree
+    spec_sources: dict[str, str] = field(default_factory=dict)  # where the drafts verified this step came from
 
 
 @dataclass(slots=True)

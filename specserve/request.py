@@ -109,6 +109,7 @@ class Request:
     spec_enabled: bool = True  # per-request switch (e.g. the API's `speculative: false`)
     stop_reason: int | str | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
+    spec_source_stats: dict[str, SpecStats] = field(default_factory=dict)  # the same, per draft source
     group_id: str | None = None  # n > 1: siblings share the prompt (scheduled after the first prefill)
     grammar: Any = None  # the compiled grammar of params.structured_outputs
 

@@ -85,3 +85,31 @@ def test_config():
     assert cfg.prompt_lookup_first and cfg.prompt_lookup_min == 2
     with pytest.raises(ValueError, match="needs a model proposer"):
         SpeculativeConfig.from_args(speculative_method="ngram", prompt_lookup_first=True)
+
+
+def test_routes_by_expected_gain_once_costs_are_measured():
+    """A match goes to lookup only when its match length's measured acceptance predicts more tokens/s than the
+    model's acceptance (with its draft steps): a short repeat that keeps failing goes to the model, a long one
+    that keeps holding stays with lookup."""
+    from specserve.spec_decode.controller import SpecController
+
+    ctl = SpecController(max_k=4)
+    model = FakeModel()
+    p = LookupFirstProposer(model, min_n=3, max_n=4, rate=ctl.best_rate, model_gains=lambda r: ctl.gains(r, "model"))
+    short = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]  # suffix "1 2 3" (n = 3) occurred before
+    long = [1, 2, 3, 4, 5, 6, 9, 2, 3, 4, 5]  # suffix "2 3 4 5" (n = 4)
+    assert p.source("a", short, 4) == "lookup"  # costs unmeasured: any match goes to lookup
+    for n, s in ((1, 0.010), (3, 0.011), (5, 0.012)):
+        ctl.record_target(n, s)
+    ctl.record_draft(1, 0.002)
+    for _ in range(20):
+        ctl.record_acceptance("a", 4, 3, "model")  # the model is usually right for this request
+        p._in_flight["x"] = 3
+        p.observe("x", "lookup", 4, 0)  # 3-token matches keep failing
+        p._in_flight["x"] = 4
+        p.observe("x", "lookup", 4, 4)  # 4-token matches hold
+    p._routed.clear()
+    assert p.source("a", short, 4) == "model"
+    assert p.source("a", long, 4) == "lookup"
+    drafts = p.propose([_req("a", long, None, k=3)])
+    assert drafts[0].token_ids == [6, 9, 2] and p._in_flight["a"] == 4

@@ -143,6 +143,12 @@ def test_greedy_identical_with_and_without_speculation(client):
     spec_on, spec_off = on.usage.model_extra["speculative"], off.usage.model_extra["speculative"]
     assert spec_on["draft_tokens"] > 0 and spec_on["accepted_tokens"] > 0
     assert spec_off["draft_tokens"] == 0 and spec_off["accepted_tokens"] == 0
+    # Per draft source: the sources' counters add up to the totals.
+    sources = spec_on["sources"]
+    assert sources and all(k in ("lookup", "model", "ngram", "eagle", "draft", "layer_skip", "suffix") for k in sources)
+    for key in ("num_drafts", "draft_tokens", "accepted_tokens"):
+        assert sum(v[key] for v in sources.values()) == spec_on[key]
+    assert spec_off["sources"] is None
     chat = dict(model=MODEL, messages=[{"role": "user", "content": REPEAT_PROMPT}], max_tokens=12, temperature=0)
     assert (client.chat.completions.create(**chat).choices[0].message.content
             == client.chat.completions.create(**chat, extra_body={"speculative": False}).choices[0].message.content)

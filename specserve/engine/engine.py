@@ -211,11 +211,15 @@ class Engine:
                 self.stats.finished_spec.merge(req.spec_stats)
             self.stats.num_finished += 1
         spec_stats = SpecStats()
+        by_source: dict[str, SpecStats] = {}
         for req in group.children:
             spec_stats.merge(req.spec_stats)
+            for source, st in req.spec_source_stats.items():
+                by_source.setdefault(source, SpecStats()).merge(st)
         now = time.monotonic()
         metrics: dict[str, Any] = {
             "speculative": spec_stats.as_dict(),
+            "speculative_sources": {source: st.as_dict() for source, st in by_source.items()},
             "ttft_s": (group.first_token - group.arrival) if group.first_token else None,
             "elapsed_s": now - group.arrival,
             "num_preemptions": sum(r.num_preemptions for r in group.children),

@@ -293,12 +293,19 @@ class SpeculativeUsage(BaseModel):
     accepted_tokens: int = 0
     acceptance_rate: float = 0.0
     mean_acceptance_length: float = 1.0
+    # The same counters per draft source ("model", "lookup", "grammar", or the method), when any drafted.
+    sources: dict[str, SpeculativeUsage] | None = None
 
     @staticmethod
-    def merge(stats: list[dict[str, Any]]) -> SpeculativeUsage:
-        """The sum of per-request ``metrics["speculative"]`` counters (choices of one response)."""
+    def merge(stats: list[dict[str, Any]], sources: list[dict[str, dict[str, Any]]] | None = None
+              ) -> SpeculativeUsage:
+        """The sum of per-request ``metrics["speculative"]`` counters (choices of one response), and of their
+        ``metrics["speculative_sources"]``."""
         total = SpecStats.total(stats).as_dict()
-        return SpeculativeUsage(**{k: v for k, v in total.items() if k != "accepted_per_position"})
+        names = sorted({name for s in sources or [] for name in s})
+        by_source = {name: SpeculativeUsage.merge([s[name] for s in sources or [] if name in s]) for name in names}
+        return SpeculativeUsage(**{k: v for k, v in total.items() if k != "accepted_per_position"},
+                                sources=by_source or None)
 
 
 class Usage(BaseModel):
@@ -402,7 +409,8 @@ def usage(outputs: list[RequestOutput]) -> Usage:
     """Prompt tokens once per prompt (not per choice); completion tokens over all choices."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    spec_stats = SpeculativeUsage.merge([o.metrics.get("speculative") or {} for o in outputs])
+    spec_stats = SpeculativeUsage.merge([o.metrics.get("speculative") or {} for o in outputs],
+                                        [o.metrics.get("speculative_sources") or {} for o in outputs])
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  speculative=spec_stats)
 

@@ -81,7 +81,7 @@ class StepCost:
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
-class _Acceptance:
+class Acceptance:
     """Decayed counts of (accepted, tried) per draft position 1..K -> conditional acceptance c_j."""
 
     __slots__ = ("acc", "tried")
@@ -124,7 +124,7 @@ class SpecController:
         self.prior_alpha = prior_alpha
         self.target_cost = StepCost()
         self.draft_cost = StepCost()
-        self._acc: dict[str, dict[str, _Acceptance]] = {}  # req_id -> source -> counts
+        self._acc: dict[str, dict[str, Acceptance]] = {}  # req_id -> source -> counts
         self._step = 0
         self._since_explore = 0
         self._explore_gap = explore_every
@@ -157,7 +157,7 @@ class SpecController:
         per = self._acc.setdefault(req_id, {})
         acc = per.get(source)
         if acc is None:
-            acc = per[source] = _Acceptance(k)
+            acc = per[source] = Acceptance(k)
         acc.observe(num_draft, num_accepted, decay=0.8)
         for j in range(min(num_draft, num_accepted + 1, k)):
             g[j] = 0.95 * g[j] + 0.05 * (1.0 if j < num_accepted else 0.0)
@@ -278,6 +278,22 @@ class SpecController:
         for _, i in items[:best_n]:
             out[i] += 1
         return out
+
+    def best_rate(self, gains: list[float], free: bool) -> float | None:
+        """Predicted tokens/s of one request drafting from a source whose draft j adds ``gains[j - 1]``
+        expected tokens, at its best k (0 included); ``free``: drafts cost no draft-model step. None while
+        the costs are not measured yet (or the controller is not adaptive)."""
+        if not self.adaptive or self.target_cost.distinct() < 2 or (not free and self.draft_cost.distinct() == 0):
+            return None
+        best, tokens = 0.0, 1.0
+        for k in range(len(gains) + 1):
+            if k:
+                tokens += gains[k - 1]
+            t = (self.target_cost.predict(1 + k) or 0.0) + (k * (self.draft_cost.predict(1) or 0.0) if k and not free
+                                                             else 0.0)
+            if t > 0:
+                best = max(best, tokens / t)
+        return best
 
     def _rate(self, b: int, other: int, drafts: int, tokens: float, k_max: int, drafting: int) -> float:
         t = self.target_cost.predict(other + b + drafts) or 0.0

@@ -11,49 +11,103 @@ proposal feeds every token since its last one (both model proposers already catc
 prefix). EAGLE also needs the target's features for those positions: the drafter (worker/drafter.py) keeps
 a request's features buffered while its drafts come from lookup (``source`` is asked first) and hands them
 all over with the next model proposal.
+
+**Routing by expected gain.** A match does not always win: a 3-token repeat in chat often continues
+differently. With the controller's measured costs (``rate``), each step compares, for the request alone,
+the predicted tokens/s of
+- lookup: its drafts priced by acceptance per draft position *for this match length* (kept here, over all
+  requests, from the verifications of earlier lookup drafts), no draft-model step;
+- the model: its acceptance per position for this request (``model_gains``, the controller's), plus the draft
+  steps;
+and drafts from the better one. Before costs are measured (or with a fixed k) any match goes to lookup.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from specserve.spec_decode.controller import LOOKUP_SOURCE
-from specserve.spec_decode.ngram import lookup
+from specserve.spec_decode.controller import LOOKUP_SOURCE, Acceptance
+from specserve.spec_decode.ngram import lookup_match
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
+
+MODEL_SOURCE = "model"
+_PRIOR, _PRIOR_WEIGHT = 0.6, 2.0  # a match length's acceptance before it was measured (pseudo-counts)
 
 
 class LookupFirstProposer:
-    def __init__(self, model: Proposer, min_n: int, max_n: int) -> None:
+    max_k = 16  # draft positions whose acceptance is tracked per match length
+
+    def __init__(self, model: Proposer, min_n: int, max_n: int,
+                 rate: Callable[[list[float], bool], float | None] | None = None,
+                 model_gains: Callable[[str], list[float]] | None = None) -> None:
         self.model = model
         self.writes_kv = model.writes_kv
         self.min_n, self.max_n = min_n, max_n
-        self._routed: dict[str, tuple[int, int, list[int]]] = {}  # req_id -> (history length, k, lookup drafts)
+        self.rate, self.model_gains = rate, model_gains
+        # req_id -> (history length, k, lookup drafts, match length, route)
+        self._routed: dict[str, tuple[int, int, list[int], int, str]] = {}
+        self._by_n: dict[int, Acceptance] = {}  # match length -> acceptance per draft position (all requests)
+        self._in_flight: dict[str, int] = {}  # req_id -> match length of its lookup drafts being verified
         self.num_lookup = 0  # proposals (request-steps) drafted by lookup / by the model proposer
         self.num_model = 0
 
     def drop(self, req_id: str) -> None:
         self._routed.pop(req_id, None)
+        self._in_flight.pop(req_id, None)
         self.model.drop(req_id)
 
     def source(self, req_id: str, token_ids: list[int], max_k: int) -> str:
-        return LOOKUP_SOURCE if self._lookup(req_id, token_ids, max_k) else "model"
+        return self._lookup(req_id, token_ids, max_k)[2]
 
-    def _lookup(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
-        """The lookup drafts (up to k) for this history, remembered from ``source`` for ``propose``."""
+    def lookup_gains(self, n: int, k: int) -> list[float]:
+        """m_j = c_1 ... c_j for j <= k: expected tokens lookup draft j adds after a match of length n."""
+        acc = self._by_n.get(n)
+        out, m = [], 1.0
+        for j in range(k):
+            c = _PRIOR if acc is None or j >= len(acc.acc) else \
+                (acc.acc[j] + _PRIOR_WEIGHT * _PRIOR) / (acc.tried[j] + _PRIOR_WEIGHT)
+            m *= c
+            out.append(m)
+        return out
+
+    def observe(self, req_id: str, source: str, num_draft: int, num_accepted: int) -> None:
+        """A verification of this request's drafts (from ``source``): lookup's acceptance by match length."""
+        n = self._in_flight.pop(req_id, 0)
+        if source == LOOKUP_SOURCE and n and num_draft:
+            self._by_n.setdefault(n, Acceptance(self.max_k)).observe(num_draft, num_accepted, decay=0.95)
+
+    def _lookup(self, req_id: str, token_ids: list[int], k: int) -> tuple[list[int], int, str]:
+        """(lookup drafts up to k, match length, route) for this history, remembered from ``source`` for
+        ``propose``."""
         hit = self._routed.get(req_id)
         if hit is not None and hit[0] == len(token_ids) and hit[1] >= k:
-            return hit[2][:k]
-        toks = lookup(np.asarray(token_ids, dtype=np.int64), k, self.min_n, self.max_n)
-        self._routed[req_id] = (len(token_ids), k, toks)
-        return toks
+            return hit[2][:k], hit[3], hit[4]
+        toks, n = lookup_match(np.asarray(token_ids, dtype=np.int64), k, self.min_n, self.max_n)
+        route = self._route(req_id, toks, n) if toks else MODEL_SOURCE
+        self._routed[req_id] = (len(token_ids), k, toks, n, route)
+        return toks, n, route
+
+    def _route(self, req_id: str, toks: list[int], n: int) -> str:
+        if self.rate is None or self.model_gains is None:
+            return LOOKUP_SOURCE
+        by_lookup = self.rate(self.lookup_gains(n, len(toks)), True)
+        by_model = self.rate(self.model_gains(req_id), False)
+        if by_lookup is None or by_model is None:
+            return LOOKUP_SOURCE
+        return LOOKUP_SOURCE if by_lookup >= by_model else MODEL_SOURCE
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
         out: list[Draft | None] = []
         rest: list[ProposeRequest] = []
         for r in reqs:
-            toks = self._lookup(r.req_id, r.token_ids, r.k)
-            out.append(Draft(toks) if toks else None)
-            if not toks:
+            toks, n, route = self._lookup(r.req_id, r.token_ids, r.k)
+            use = route == LOOKUP_SOURCE and bool(toks)
+            out.append(Draft(toks) if use else None)
+            if use:
+                self._in_flight[r.req_id] = n
+            else:
                 rest.append(r)
         self.num_lookup += len(reqs) - len(rest)
         self.num_model += len(rest)

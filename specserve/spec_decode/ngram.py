@@ -14,6 +14,11 @@ from specserve.spec_decode.proposer import Draft, ProposeRequest
 
 
 def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    return lookup_match(tokens, k, min_n, max_n)[0]
+
+
+def lookup_match(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """(the drafts, the length n of the suffix that matched; 0: no match)."""
     length = tokens.shape[0]
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n:]
@@ -22,8 +27,8 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n  # the most recent earlier occurrence
-            return tokens[start:start + k].tolist()
-    return []
+            return tokens[start:start + k].tolist(), n
+    return [], 0
 
 
 class NgramProposer:

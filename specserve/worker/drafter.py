@@ -29,7 +29,7 @@ from specserve.request import SpecStats
 from specserve.spec_decode.controller import FREE_SOURCES, GRAMMAR_SOURCE, SpecController
 from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.spec_decode.eagle import EagleProposer
-from specserve.spec_decode.lookup_first import LookupFirstProposer
+from specserve.spec_decode.lookup_first import MODEL_SOURCE, LookupFirstProposer
 from specserve.spec_decode.ngram import NgramProposer, lookup
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
 from specserve.spec_decode.suffix import SUFFIX_KEY_N, SuffixProposer
@@ -82,6 +82,7 @@ class Drafter:
         self._on_finish: Callable[[list[int], str | None], None] | None = None  # suffix decoding's index
         # Draft trees: the predicted accepted nodes (sum of draft path probabilities) of each tree in flight.
         self._tree_predicted: dict[str, float] = {}
+        self._router: LookupFirstProposer | None = None  # --prompt-lookup-first
         self._tree_sizes: list[float] = []
 
     # -- start-up -------------------------------------------------------------------------------------------
@@ -122,7 +123,11 @@ class Drafter:
             return suffix
         model = self._make_model_proposer(target_kv, block_size)
         if spec_config.prompt_lookup_first:
-            return LookupFirstProposer(model, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
+            self._router = LookupFirstProposer(
+                model, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max,
+                rate=lambda gains, free: self.controller.best_rate(gains, free),
+                model_gains=lambda req_id: self.controller.gains(req_id, MODEL_SOURCE))
+            return self._router
         return model
 
     def _make_model_proposer(self, target_kv: list[torch.Tensor], block_size: int) -> Proposer:
@@ -191,10 +196,13 @@ class Drafter:
         self.controller.record_target(num_tokens, seconds)
 
     def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int,
-                          parents: tuple[int, ...] | None = None) -> None:
-        """One verification: ``num_accepted`` of ``num_draft`` drafts (a tree: its nodes, ``parents``)."""
+                          parents: tuple[int, ...] | None = None) -> str:
+        """One verification: ``num_accepted`` of ``num_draft`` drafts (a tree: its nodes, ``parents``). Returns
+        the drafts' source label ("model", "lookup", "grammar", or the method of a one-source proposer)."""
         source = self._sources.pop(req_id, "")
         predicted = self._tree_predicted.pop(req_id, None)
+        if self._router is not None:
+            self._router.observe(req_id, source, num_draft, num_accepted)
         if parents is not None:  # the controller's positions are depths
             depth: list[int] = []
             for p in parents:
@@ -206,6 +214,7 @@ class Drafter:
             self.controller.record_acceptance(req_id, num_draft, num_accepted, source)
         if num_draft:
             self.source_stats.setdefault(source, SpecStats()).record(num_draft, num_accepted)
+        return source or self.spec_config.method or ""
 
     def _choose_nodes(self, probs: list[list[float]]) -> list[int]:
         sizes = self.controller.choose_tree_sizes(probs)

@@ -248,6 +248,7 @@ class ModelRunner:
         logprobs = self._logprobs(logits, sample_rows, cached, counts, emitted, paths)
         if drafter is not None and drafter.num_captures() == captures:  # a capture step is no cost sample
             drafter.record_target(so.total_tokens, time.perf_counter() - t0)
+        sources: dict[str, str] = {}
         for r, c, em in zip(sample_rows, cached, emitted):
             if c.state.grammar is not None:
                 c.state.grammar.accept(em)
@@ -255,12 +256,14 @@ class ModelRunner:
             c.token_ids.extend(em)
             c.draft_probs = None
             if drafter is not None:
-                drafter.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1, r.spec_parents)
+                source = drafter.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1, r.spec_parents)
+                if r.num_spec_tokens:
+                    sources[r.req_id] = source
         sampled = {r.req_id: em for r, em in zip(sample_rows, emitted)}
         if sink is not None and prenorm is not None:
             sink_features(rows, sampled, prenorm, sink)
         spec_token_ids, spec_parents = self._propose(sample_rows, emitted) if drafter is not None else ({}, {})
-        return ModelRunnerOutput(sampled, spec_token_ids, logprobs, spec_parents)
+        return ModelRunnerOutput(sampled, spec_token_ids, logprobs, spec_parents, sources)
 
     @staticmethod
     def _verify(processed: torch.Tensor, rows: list[ScheduledRequest], states: list[RequestSamplingState],
