@@ -220,6 +220,9 @@ class SpeculativeConfig:
     prompt_lookup_first: bool = field(default=False, metadata=flag(
         "with a draft model, EAGLE head or layer_skip: draft by prompt lookup whenever the context repeats its "
         "last --prompt-lookup-min tokens, by the model otherwise"))
+    prompt_lookup_source: str = field(default="prompt", metadata=flag(
+        "--prompt-lookup-first: what lookup drafts from: the request's own prompt + output (prompt), or the "
+        "suffix index, which adds earlier requests of the same user (suffix)", choices=("prompt", "suffix")))
     # Structured outputs (worker/drafter.py): a draft is cut at the first token the request's grammar forbids,
     # and tokens the grammar forces are drafted free, ahead of any model draft.
     grammar_drafts: bool = field(default=True, metadata=flag(
@@ -254,6 +257,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} needs a speculative model")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:  # type: ignore[operator]
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.prompt_lookup_source not in ("prompt", "suffix"):
+            raise ValueError(f"prompt_lookup_source must be prompt or suffix, got {self.prompt_lookup_source!r}")
         if self.prompt_lookup_first and self.method in ("ngram", "suffix"):
             raise ValueError(f"prompt_lookup_first needs a model proposer (draft, eagle or layer_skip), "
                              f"not {self.method}")
@@ -305,6 +310,7 @@ class SpeculativeConfig:
         suffix_cache_tokens: int | None = None,
         speculative_eagle_topk: int | None = None,
         speculative_num_draft_tokens: int | None = None,
+        prompt_lookup_source: str | None = None,
     ) -> SpeculativeConfig:
         """Merge vLLM V0-style flags and a V1-style ``--speculative-config`` JSON into one config."""
         cfg: dict[str, Any] = {}
@@ -355,6 +361,7 @@ class SpeculativeConfig:
             eagle_topk=int(speculative_eagle_topk if speculative_eagle_topk is not None else cfg.get("eagle_topk", 1)),
             num_draft_tokens=speculative_num_draft_tokens if speculative_num_draft_tokens is not None
             else cfg.get("num_draft_tokens"),
+            prompt_lookup_source=prompt_lookup_source or cfg.get("prompt_lookup_source", "prompt"),
         )
 
 

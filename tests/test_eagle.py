@@ -113,7 +113,8 @@ TREE = dict(speculative_method="eagle", num_speculative_tokens=3, speculative_ea
             speculative_num_draft_tokens=9)
 
 
-@pytest.mark.parametrize("case", ["preemption", "chunked_prefill", "prefix_cache", "lookup_first", "batch_32"])
+@pytest.mark.parametrize("case", ["preemption", "chunked_prefill", "prefix_cache", "lookup_first", "lookup_suffix",
+                                  "batch_32"])
 def test_draft_trees_greedy_equal_across_the_matrix(tiny, reference, case):
     engine = dict(ENGINE, max_num_seqs=8)
     if case == "preemption":  # 16 blocks of 16 tokens for 8 requests: preempted and resumed mid-tree
@@ -122,6 +123,8 @@ def test_draft_trees_greedy_equal_across_the_matrix(tiny, reference, case):
         engine.update(max_num_batched_tokens=24)
     elif case == "lookup_first":
         engine.update(prompt_lookup_first=True)
+    elif case == "lookup_suffix":  # lookup from the suffix index: earlier requests' outputs too
+        engine.update(prompt_lookup_first=True, prompt_lookup_source="suffix")
     elif case == "batch_32":
         engine.update(max_num_seqs=32)
     llm = LLM(tiny["target"], speculative_model=tiny["head"], speculative_adaptive=False, **TREE, **engine)
@@ -131,6 +134,8 @@ def test_draft_trees_greedy_equal_across_the_matrix(tiny, reference, case):
         assert llm.get_metrics()["prefix_cache_hits"] > 0
     if case == "preemption":
         assert llm.get_metrics()["num_preemptions"] > 0
+    if case.startswith("lookup"):
+        assert llm.get_metrics()["speculative_sources"]["lookup"]["accepted_tokens"] > 0
 
 
 def test_draft_trees_mixed_with_chains_and_stops(tiny, reference):

@@ -71,7 +71,7 @@ def test_features_of_lookup_steps_stay_buffered_for_the_model_in_order():
 def test_drop_forgets_and_reaches_the_model():
     model = FakeModel()
     p = LookupFirstProposer(model, min_n=3, max_n=4)
-    assert p.source("a", [1, 2, 3, 4, 1, 2, 3], 3) == "lookup"
+    assert p.source(_req("a", [1, 2, 3, 4, 1, 2, 3], None), 3) == "lookup"
     p.drop("a")
     assert model.dropped == ["a"] and not p._routed
 
@@ -98,7 +98,7 @@ def test_routes_by_expected_gain_once_costs_are_measured():
     p = LookupFirstProposer(model, min_n=3, max_n=4, rate=ctl.best_rate, model_gains=lambda r: ctl.gains(r, "model"))
     short = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]  # suffix "1 2 3" (n = 3) occurred before
     long = [1, 2, 3, 4, 5, 6, 9, 2, 3, 4, 5]  # suffix "2 3 4 5" (n = 4)
-    assert p.source("a", short, 4) == "lookup"  # costs unmeasured: any match goes to lookup
+    assert p.source(_req("a", short, None), 4) == "lookup"  # costs unmeasured: any match goes to lookup
     for n, s in ((1, 0.010), (3, 0.011), (5, 0.012)):
         ctl.record_target(n, s)
     ctl.record_draft(1, 0.002)
@@ -109,7 +109,30 @@ def test_routes_by_expected_gain_once_costs_are_measured():
         p._in_flight["x"] = 4
         p.observe("x", "lookup", 4, 4)  # 4-token matches hold
     p._routed.clear()
-    assert p.source("a", short, 4) == "model"
-    assert p.source("a", long, 4) == "lookup"
+    assert p.source(_req("a", short, None), 4) == "model"
+    assert p.source(_req("a", long, None), 4) == "lookup"
     drafts = p.propose([_req("a", long, None, k=3)])
     assert drafts[0].token_ids == [6, 9, 2] and p._in_flight["a"] == 4
+
+
+def _user_req(rid: str, tokens: list[int], user: str | None) -> ProposeRequest:
+    state = RequestSamplingState.create(SamplingParams(temperature=0, user=user), tokens[:1], torch.device("cpu"))
+    return ProposeRequest(rid, tokens, len(tokens) - 1, 4, (0,), state)
+
+
+def test_lookup_from_the_suffix_index_drafts_from_the_same_users_earlier_requests():
+    """--prompt-lookup-source suffix: a context seen only in an earlier request of the same user drafts by
+    lookup; another user's request with the same context goes to the model."""
+    from specserve.spec_decode.suffix import SuffixProposer
+
+    model = FakeModel()
+    suffix = SuffixProposer(2, 10_000)
+    p = LookupFirstProposer(model, min_n=3, max_n=4, suffix=suffix)
+    suffix.finish([5, 6, 7, 8, 20, 21, 22, 23], "alice")  # an earlier answer
+    ctx = [1, 2, 6, 7, 8]  # "6 7 8" never occurred in this request itself
+    assert p.source(_user_req("a", ctx, "alice"), 4) == "lookup"
+    assert p.propose([_user_req("a", ctx, "alice")])[0].token_ids == [20, 21, 22, 23]
+    assert p.source(_user_req("b", ctx, "bob"), 4) == "model"
+    assert p.propose([_user_req("b", ctx, "bob")])[0].token_ids == [7, 7, 7, 7]
+    own = LookupFirstProposer(FakeModel(), min_n=3, max_n=4)  # the default: the request's own history only
+    assert own.source(_user_req("c", ctx, "alice"), 4) == "model"

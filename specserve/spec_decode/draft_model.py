@@ -37,7 +37,7 @@ class DraftModelProposer:
         self._fed.pop(req_id, None)
         self.sampler.drop(req_id)
 
-    def source(self, req_id: str, token_ids: list[int], max_k: int) -> str:
+    def source(self, req: ProposeRequest, max_k: int) -> str:
         return ""
 
     def _valid_prefix(self, r: ProposeRequest) -> int:

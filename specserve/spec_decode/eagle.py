@@ -67,7 +67,7 @@ class EagleProposer:
         self._valid.pop(req_id, None)
         self.sampler.drop(req_id)
 
-    def source(self, req_id: str, token_ids: list[int], max_k: int) -> str:
+    def source(self, req: ProposeRequest, max_k: int) -> str:
         return ""
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:

@@ -20,6 +20,10 @@ the predicted tokens/s of
 - the model: its acceptance per position for this request (``model_gains``, the controller's), plus the draft
   steps;
 and drafts from the better one. Before costs are measured (or with a fixed k) any match goes to lookup.
+
+**Lookup from the suffix index** (``--prompt-lookup-source suffix``): the lookup side drafts by suffix
+decoding (``spec_decode/suffix.py``): from the request's own history *and* earlier requests of the same
+``user``, when the matched context is at least ``min_n`` tokens long.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 from specserve.spec_decode.controller import LOOKUP_SOURCE, Acceptance
 from specserve.spec_decode.ngram import lookup_match
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
+from specserve.spec_decode.suffix import SuffixProposer
 
 MODEL_SOURCE = "model"
 _PRIOR, _PRIOR_WEIGHT = 0.6, 2.0  # a match length's acceptance before it was measured (pseudo-counts)
@@ -41,8 +46,10 @@ class LookupFirstProposer:
 
     def __init__(self, model: Proposer, min_n: int, max_n: int,
                  rate: Callable[[list[float], bool], float | None] | None = None,
-                 model_gains: Callable[[str], list[float]] | None = None) -> None:
+                 model_gains: Callable[[str], list[float]] | None = None,
+                 suffix: SuffixProposer | None = None) -> None:
         self.model = model
+        self.suffix = suffix
         self.writes_kv = model.writes_kv
         self.min_n, self.max_n = min_n, max_n
         self.rate, self.model_gains = rate, model_gains
@@ -57,9 +64,11 @@ class LookupFirstProposer:
         self._routed.pop(req_id, None)
         self._in_flight.pop(req_id, None)
         self.model.drop(req_id)
+        if self.suffix is not None:
+            self.suffix.drop(req_id)
 
-    def source(self, req_id: str, token_ids: list[int], max_k: int) -> str:
-        return self._lookup(req_id, token_ids, max_k)[2]
+    def source(self, req: ProposeRequest, max_k: int) -> str:
+        return self._lookup(req, max_k)[2]
 
     def lookup_gains(self, n: int, k: int) -> list[float]:
         """m_j = c_1 ... c_j for j <= k: expected tokens lookup draft j adds after a match of length n."""
@@ -78,15 +87,22 @@ class LookupFirstProposer:
         if source == LOOKUP_SOURCE and n and num_draft:
             self._by_n.setdefault(n, Acceptance(self.max_k)).observe(num_draft, num_accepted, decay=0.95)
 
-    def _lookup(self, req_id: str, token_ids: list[int], k: int) -> tuple[list[int], int, str]:
+    def _lookup(self, r: ProposeRequest, k: int) -> tuple[list[int], int, str]:
         """(lookup drafts up to k, match length, route) for this history, remembered from ``source`` for
         ``propose``."""
-        hit = self._routed.get(req_id)
+        token_ids = r.token_ids
+        hit = self._routed.get(r.req_id)
         if hit is not None and hit[0] == len(token_ids) and hit[1] >= k:
             return hit[2][:k], hit[3], hit[4]
-        toks, n = lookup_match(np.asarray(token_ids, dtype=np.int64), k, self.min_n, self.max_n)
-        route = self._route(req_id, toks, n) if toks else MODEL_SOURCE
-        self._routed[req_id] = (len(token_ids), k, toks, n, route)
+        if self.suffix is not None:
+            toks, n = self.suffix.lookup(r, k)
+            if n < self.min_n:
+                toks, n = [], 0
+            n = min(n, self.max_k)  # acceptance is kept per match length up to max_k
+        else:
+            toks, n = lookup_match(np.asarray(token_ids, dtype=np.int64), k, self.min_n, self.max_n)
+        route = self._route(r.req_id, toks, n) if toks else MODEL_SOURCE
+        self._routed[r.req_id] = (len(token_ids), k, toks, n, route)
         return toks, n, route
 
     def _route(self, req_id: str, toks: list[int], n: int) -> str:
@@ -102,7 +118,7 @@ class LookupFirstProposer:
         out: list[Draft | None] = []
         rest: list[ProposeRequest] = []
         for r in reqs:
-            toks, n, route = self._lookup(r.req_id, r.token_ids, r.k)
+            toks, n, route = self._lookup(r, r.k)
             use = route == LOOKUP_SOURCE and bool(toks)
             out.append(Draft(toks) if use else None)
             if use:

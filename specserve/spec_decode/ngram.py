@@ -44,5 +44,5 @@ class NgramProposer:
     def drop(self, req_id: str) -> None:
         pass
 
-    def source(self, req_id: str, token_ids: list[int], max_k: int) -> str:
+    def source(self, req: ProposeRequest, max_k: int) -> str:
         return ""

@@ -44,7 +44,7 @@ class Proposer(Protocol):
     # True when proposing writes KV ahead of the request's tokens (the scheduler reserves lookahead slots).
     writes_kv: bool
 
-    def source(self, req_id: str, token_ids: list[int], max_k: int) -> str:
+    def source(self, req: ProposeRequest, max_k: int) -> str:
         """Where this request's next drafts will come from (asked before k is chosen): the controller keeps
         acceptance per source. One-source proposers answer ""; ``--prompt-lookup-first`` answers "lookup"
         (drafts that cost no model step) or "model"."""

@@ -98,8 +98,14 @@ def _match_len(ctx: Sequence[int], toks: Sequence[int], p: int, max_match: int) 
 def suffix_draft(ctx: Sequence[int], occurrences: list[Occurrence], k: int, max_match: int = 32,
                  min_share: float = 0.3) -> list[int]:
     """The draft of up to ``k`` tokens from ``occurrences`` (oldest first) of the context's last key tokens."""
+    return suffix_match(ctx, occurrences, k, max_match, min_share)[0]
+
+
+def suffix_match(ctx: Sequence[int], occurrences: list[Occurrence], k: int, max_match: int = 32,
+                 min_share: float = 0.3) -> tuple[list[int], int]:
+    """``suffix_draft`` and the length of the matches it followed (0: none)."""
     if not occurrences or k < 1:
-        return []
+        return [], 0
     lens = [_match_len(ctx, toks, p, max_match) for toks, p in occurrences]
     best = max(lens)
     live = [occ for occ, m in zip(occurrences, lens) if m == best]
@@ -120,7 +126,7 @@ def suffix_draft(ctx: Sequence[int], occurrences: list[Occurrence], k: int, max_
             break
         out.append(tok)
         live = [(toks, p) for toks, p in live if p + d < len(toks) and toks[p + d] == tok]
-    return out
+    return out, best
 
 
 class SuffixProposer:
@@ -134,25 +140,25 @@ class SuffixProposer:
         self.index = SuffixIndex(max_tokens, key_n)
         self._live: dict[str, _Indexed] = {}  # req_id -> its own history, indexed
 
-    def source(self, req_id: str, token_ids: list[int], max_k: int) -> str:
+    def source(self, req: ProposeRequest, max_k: int) -> str:
         return ""
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
-        out = []
-        for r in reqs:
-            own = self._live.get(r.req_id)
-            if own is None or own.tokens is not r.token_ids:
-                own = self._live[r.req_id] = _Indexed(r.token_ids)
-            ctx = r.token_ids
-            own.update(self.key_n, len(ctx))  # keys ending before the last token: its continuation is known
-            if len(ctx) < self.key_n:
-                out.append(Draft([]))
-                continue
-            key = tuple(ctx[-self.key_n:])
-            occ = self.index.occurrences(r.state.params.user, key) + [(ctx, p) for p in own.positions.get(key, ())
-                                                          if p < len(ctx)]
-            out.append(Draft(suffix_draft(ctx, occ, r.k, self.max_match)))
-        return out
+        return [Draft(self.lookup(r, r.k)[0]) for r in reqs]
+
+    def lookup(self, r: ProposeRequest, k: int) -> tuple[list[int], int]:
+        """(up to k drafts for this request, the length of the matches they follow; 0: none)."""
+        own = self._live.get(r.req_id)
+        if own is None or own.tokens is not r.token_ids:
+            own = self._live[r.req_id] = _Indexed(r.token_ids)
+        ctx = r.token_ids
+        own.update(self.key_n, len(ctx))  # keys ending before the last token: its continuation is known
+        if len(ctx) < self.key_n:
+            return [], 0
+        key = tuple(ctx[-self.key_n:])
+        occ = self.index.occurrences(r.state.params.user, key) + [(ctx, p) for p in own.positions.get(key, ())
+                                                                  if p < len(ctx)]
+        return suffix_match(ctx, occ, k, self.max_match)
 
     def drop(self, req_id: str) -> None:
         """A preempted or finished request: its own-history index is rebuilt if it comes back."""

@@ -117,16 +117,20 @@ class Drafter:
         assert spec_config.prompt_lookup_min is not None
         if spec_config.method == "ngram":
             return NgramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
-        if spec_config.method == "suffix":
+        # Suffix decoding's index: the method itself, or the lookup side of --prompt-lookup-first.
+        suffix = None
+        if spec_config.method == "suffix" or spec_config.prompt_lookup_source == "suffix":
             suffix = SuffixProposer(SUFFIX_KEY_N, spec_config.suffix_cache_tokens)
             self._on_finish = suffix.finish
+        if spec_config.method == "suffix":
+            assert suffix is not None
             return suffix
         model = self._make_model_proposer(target_kv, block_size)
         if spec_config.prompt_lookup_first:
             self._router = LookupFirstProposer(
                 model, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max,
                 rate=lambda gains, free: self.controller.best_rate(gains, free),
-                model_gains=lambda req_id: self.controller.gains(req_id, MODEL_SOURCE))
+                model_gains=lambda req_id: self.controller.gains(req_id, MODEL_SOURCE), suffix=suffix)
             return self._router
         return model
 
@@ -233,7 +237,7 @@ class Drafter:
         use_grammar = self.spec_config.grammar_drafts
         forced = [c.state.grammar.forced_tokens(min(controller.max_k, c.k))
                   if use_grammar and c.state.grammar is not None else [] for c in cands]
-        sources = [GRAMMAR_SOURCE if f else proposer.source(c.req_id, c.token_ids, controller.max_k)
+        sources = [GRAMMAR_SOURCE if f else proposer.source(c, controller.max_k)
                    for c, f in zip(cands, forced)]
         ks = controller.choose_ks([c.req_id for c in cands], sources=sources)
         out: dict[str, Draft] = {}
