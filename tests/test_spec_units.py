@@ -339,3 +339,23 @@ def test_cost_observers_see_every_sample():
     c.record_target(1, 0.01)  # after the run: not recorded, and the observer is gone
     assert target == [(5, 0.02)] and draft == [(1, 0.004)] and c.cost_observers == []
     assert c.target_cost.predict(5) == pytest.approx(0.02)
+
+
+def test_incremental_ngram_index_equals_the_numpy_lookup():
+    """NgramIndex (incremental, per request) drafts exactly what the numpy pass over the whole history does,
+    step after step as the history grows."""
+    import random
+
+    import numpy as np
+
+    from specserve.spec_decode.ngram import NgramIndex, lookup_match
+
+    rng = random.Random(0)
+    for trial in range(30):
+        min_n, max_n = rng.choice([(1, 4), (3, 4), (2, 2)])
+        tokens = [rng.randrange(6) for _ in range(rng.randint(1, 4))]
+        idx = NgramIndex(tokens, min_n, max_n)
+        for _ in range(60):
+            k = rng.randint(1, 6)
+            assert idx.match(k) == lookup_match(np.asarray(tokens, dtype=np.int64), k, min_n, max_n), trial
+            tokens.extend(rng.randrange(6) for _ in range(rng.randint(1, 3)))

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-
 from specserve.spec_decode.controller import LOOKUP_SOURCE, Acceptance
-from specserve.spec_decode.ngram import lookup_match
+from specserve.spec_decode.ngram import NgramIndexes
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
 from specserve.spec_decode.suffix import SuffixProposer
 
@@ -50,6 +48,7 @@ class LookupFirstProposer:
                  suffix: SuffixProposer | None = None) -> None:
         self.model = model
         self.suffix = suffix
+        self.ngrams = NgramIndexes(min_n, max_n)
         self.writes_kv = model.writes_kv
         self.min_n, self.max_n = min_n, max_n
         self.rate, self.model_gains = rate, model_gains
@@ -64,6 +63,7 @@ class LookupFirstProposer:
         self._routed.pop(req_id, None)
         self._in_flight.pop(req_id, None)
         self.model.drop(req_id)
+        self.ngrams.drop(req_id)
         if self.suffix is not None:
             self.suffix.drop(req_id)
 
@@ -100,7 +100,7 @@ class LookupFirstProposer:
                 toks, n = [], 0
             n = min(n, self.max_k)  # acceptance is kept per match length up to max_k
         else:
-            toks, n = lookup_match(np.asarray(token_ids, dtype=np.int64), k, self.min_n, self.max_n)
+            toks, n = self.ngrams.match(r.req_id, token_ids, k)
         route = self._route(r.req_id, toks, n) if toks else MODEL_SOURCE
         self._routed[r.req_id] = (len(token_ids), k, toks, n, route)
         return toks, n, route

@@ -31,18 +31,63 @@ def lookup_match(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[li
     return [], 0
 
 
+class NgramIndex:
+    """``lookup_match`` over one request's growing token list, in O(new tokens) per query instead of a pass
+    over the whole history: the last end of every n-gram (min_n <= n <= max_n) seen so far.
+
+    NOTE: the numpy pass cost ~0.1 ms per request per step, every step, drafting or not (the router asks
+    every decoding request where its drafts would come from): 3-5 % of a batch-8 step on the demo model."""
+
+    __slots__ = ("tokens", "min_n", "max_n", "done", "last")
+
+    def __init__(self, tokens: list[int], min_n: int, max_n: int) -> None:
+        self.tokens, self.min_n, self.max_n = tokens, min_n, max_n
+        self.done = 0  # n-grams ending before this index are in ``last``
+        self.last: dict[tuple[int, ...], int] = {}
+
+    def match(self, k: int) -> tuple[list[int], int]:
+        toks = self.tokens
+        length = len(toks)
+        for end in range(max(self.done, 1), length):  # n-grams ending before the last token's position
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.last[tuple(toks[end - n:end])] = end
+        self.done = max(self.done, length)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            hit = self.last.get(tuple(toks[length - n:]))
+            if hit is not None:
+                return toks[hit:hit + k], n
+        return [], 0
+
+
+class NgramIndexes:
+    """One ``NgramIndex`` per request (rebuilt when its token list is another one)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._by_req: dict[str, NgramIndex] = {}
+
+    def match(self, req_id: str, token_ids: list[int], k: int) -> tuple[list[int], int]:
+        idx = self._by_req.get(req_id)
+        if idx is None or idx.tokens is not token_ids or idx.done > len(token_ids):
+            idx = self._by_req[req_id] = NgramIndex(token_ids, self.min_n, self.max_n)
+        return idx.match(k)
+
+    def drop(self, req_id: str) -> None:
+        self._by_req.pop(req_id, None)
+
+
 class NgramProposer:
     writes_kv = False
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self.indexes = NgramIndexes(min_n, max_n)
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
-        return [Draft(lookup(np.asarray(r.token_ids, dtype=np.int64), r.k, self.min_n, self.max_n))
-                for r in reqs]
+        return [Draft(self.indexes.match(r.req_id, r.token_ids, r.k)[0]) for r in reqs]
 
     def drop(self, req_id: str) -> None:
-        pass
+        self.indexes.drop(req_id)
 
     def source(self, req: ProposeRequest, max_k: int) -> str:
         return ""
