@@ -32,6 +32,27 @@ def test_greedy_equality_with_speculation_on_gpu(dtype):
     print(f"{dtype}: near-ties {ties}; spec metrics {llm.get_metrics()['speculative']}")
 
 
+def test_draft_trees_on_gpu():
+    """EAGLE-2 trees through the Triton tree mask, with graphs on for the chain steps: greedy equal to
+    speculation off (near-tie rule), trees verified and accepted."""
+    import os
+
+    from specserve.llm import LLM
+    from tests.test_spec_equality import NEAR_TIE, assert_same
+
+    head = os.path.join(os.path.dirname(__file__), os.pardir, "specserve", "data", "drafts", "smollm2-135m-eagle")
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    llm = LLM(None, dtype="float32", speculative_model=head, num_speculative_tokens=4, speculative_eagle_topk=3,
+              speculative_num_draft_tokens=10, speculative_adaptive=False, max_num_seqs=4)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    off = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=ids, speculative=False)]
+    on = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=ids)]
+    ties = assert_same("gpu trees", ids, off, on, llm.engine.runner.model, near_tie=NEAR_TIE)
+    spec = llm.get_metrics()["speculative"]
+    assert spec["accepted_tokens"] > 0
+    print(f"trees: near-ties {ties}; spec metrics {spec}")
+
+
 def test_graphs_match_eager_on_gpu():
     """Graphs (decode and verification buckets, padded batches) vs --enforce-eager: fp32 greedy token ids."""
     import gc

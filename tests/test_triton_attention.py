@@ -184,6 +184,7 @@ def test_paged_attention_gpu_realistic_shapes(dtype):
     assert (out.float() - ref).abs().max().item() < tol
 
 
+@pytest.mark.gpu  # also on CPU, under the interpreter; the mark puts it in benchmarks/gpu_check.sh
 @pytest.mark.parametrize("window", [None, 4])
 def test_tree_rows_match_the_reference(window):
     """Draft trees (attention_metadata.TREE_DOC): a tree next to a chain and a prefill chunk, against the
