@@ -204,21 +204,29 @@ def fake_server(start_server):
     srv.stop()
 
 
+def assert_measures(measured_ms: float, delay_ms: float, low: float = 0.9) -> None:
+    """A latency the load generator measured against the fake server's known delay: not below it (the server
+    sleeps that long; gaps between streamed tokens can shrink when two arrive in one read: ``low``), and not
+    orders above it (a unit or a missing part would be). No tighter upper bound: on a shared 2-core machine
+    scheduling adds 50 % and more."""
+    assert low * delay_ms <= measured_ms <= 3 * delay_ms, (measured_ms, delay_ms)
+
+
 def test_bench_serve_timing(fake_server):
     items = workloads.load_dataset("chat")[:6]
     s = asyncio.run(serve.run_load(fake_server.url, items, request_rate=math.inf, concurrency=3, max_tokens=5,
                                    progress=False))
     assert s["completed"] == 6 and s["failed"] == 0 and s["model"] == "fake-model"
     assert s["total_output_tokens"] == 30
-    assert s["ttft"]["mean"] == pytest.approx(TTFT * 1000, rel=0.4)
-    assert s["ttft"]["p99"] == pytest.approx(TTFT * 1000, rel=0.4)
-    assert s["itl"]["mean"] == pytest.approx(ITL * 1000, rel=0.4)
-    assert s["itl"]["median"] == pytest.approx(ITL * 1000, rel=0.4)
-    assert s["tpot"]["mean"] == pytest.approx(ITL * 1000, rel=0.4)
-    assert s["e2el"]["mean"] == pytest.approx((TTFT + 4 * ITL) * 1000, rel=0.4)
+    assert_measures(s["ttft"]["mean"], TTFT * 1000)
+    assert_measures(s["ttft"]["p99"], TTFT * 1000)
+    assert_measures(s["itl"]["mean"], ITL * 1000, low=0.5)
+    assert_measures(s["itl"]["median"], ITL * 1000, low=0.5)
+    assert_measures(s["tpot"]["mean"], ITL * 1000, low=0.5)
+    assert_measures(s["e2el"]["mean"], (TTFT + 4 * ITL) * 1000)
     assert len(s["samples"]["itl"]) == 6 * 4
     # concurrency 3, 6 requests of ~0.4 s: two waves
-    assert s["duration_s"] == pytest.approx(2 * (TTFT + 4 * ITL), rel=0.4)
+    assert_measures(s["duration_s"] * 1000, 2 * (TTFT + 4 * ITL) * 1000)
 
 
 def test_bench_serve_cli_poisson(fake_server, tmp_path, capsys):
@@ -233,7 +241,7 @@ def test_bench_serve_cli_poisson(fake_server, tmp_path, capsys):
     doc = json.loads((out / "results.json").read_text())
     run = doc["runs"]["server"]
     assert run["completed"] == 4 and run["total_output_tokens"] == 12
-    assert run["ttft"]["mean"] == pytest.approx(TTFT * 1000, rel=0.4)
+    assert_measures(run["ttft"]["mean"], TTFT * 1000)
     assert [r["start"] for r in run["requests"]] == sorted(r["start"] for r in run["requests"])
     assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
     assert "TTFT" in (out / "report.md").read_text()

@@ -182,6 +182,8 @@ def demo_reference():
     ("draft at draft TP 1", dict(speculative_model="<demo>", num_speculative_tokens=3, draft_tensor_parallel_size=1)),
     ("draft at draft TP 2", dict(speculative_model="<demo>", num_speculative_tokens=3)),
     ("eagle + lookup first", dict(speculative_model=SHIPPED_HEAD, num_speculative_tokens=3, prompt_lookup_first=True)),
+    ("eagle trees", dict(speculative_model=SHIPPED_HEAD, num_speculative_tokens=3, speculative_eagle_topk=3,
+                         speculative_num_draft_tokens=8)),
 ])
 def test_demo_model_tp2_equals_tp1(demo_reference, name, kw):
     """16 prompts x 24 tokens at batch 8 and at batch 1, speculation on (fixed k, so every step drafts) and off,
