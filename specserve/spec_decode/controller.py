@@ -233,10 +233,14 @@ class SpecController:
 
     def _best(self, req_ids: list[str], sources: list[str], other: int) -> list[int]:
         """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s."""
-        b = len(req_ids)
         pairs = sorted(((m, i) for i, (r, s) in enumerate(zip(req_ids, sources)) for m in self.gains(r, s)),
                        key=lambda x: -x[0])
-        free = [s in FREE_SOURCES for s in sources]
+        return self._best_prefix(pairs, [s in FREE_SOURCES for s in sources], other)
+
+    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int) -> list[int]:
+        """Drafts per request from the prefix of ``pairs`` (worth in expected tokens, request index; by falling
+        worth) that maximises predicted tokens/s; ``free[i]``: request i's drafts cost no draft step."""
+        b = len(free)
         ks = [0] * b
         best_n, best_rate = 0, self._rate(b, other, 0, float(b), 0, 0) * (1.0 + self.min_gain)
         tokens, k_max, drafting = float(b), 0, 0
@@ -266,18 +270,7 @@ class SpecController:
             return [len(p) for p in probs]
         c = self.tree_calibration
         items = sorted(((c * p, i) for i, ps in enumerate(probs) for p in ps), key=lambda x: -x[0])
-        b = len(probs)
-        best_n, best_rate = 0, self._rate(b, 0, 0, float(b), 0, 0) * (1.0 + self.min_gain)
-        tokens = float(b)
-        for n, (m, _) in enumerate(items, start=1):
-            tokens += m
-            rate = self._rate(b, 0, n, tokens, 0, 0)
-            if rate > best_rate * 1.0001:
-                best_n, best_rate = n, rate
-        out = [0] * b
-        for _, i in items[:best_n]:
-            out[i] += 1
-        return out
+        return self._best_prefix(items, [True] * len(probs), 0)
 
     def best_rate(self, gains: list[float], free: bool) -> float | None:
         """Predicted tokens/s of one request drafting from a source whose draft j adds ``gains[j - 1]``

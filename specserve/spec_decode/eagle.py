@@ -86,7 +86,8 @@ class EagleProposer:
         tree = [i for i, r in enumerate(reqs) if self.topk > 1 and tree_eligible(r.state)]
         if len(tree) == len(reqs):
             return self._trees(reqs, logits, pred)
-        chain = [i for i in range(len(reqs)) if i not in set(tree)]
+        in_tree = set(tree)
+        chain = [i for i in range(len(reqs)) if i not in in_tree]
         out: list[Draft] = [Draft([])] * len(reqs)
         for part, drafts in ((chain, self._chains([reqs[i] for i in chain], logits[chain], pred[chain])),
                              (tree, self._trees([reqs[i] for i in tree], logits[tree], pred[tree]) if tree else [])):
@@ -149,7 +150,7 @@ class EagleProposer:
                   [:min(self.max_nodes, r.slots)] for t, r in zip(trees, reqs)]
         probs = [[math.exp(trees[i].scores[node]) for node in r] for i, r in enumerate(ranked)]
         sizes = self.choose_nodes(probs) if self.choose_nodes is not None else [len(r) for r in ranked]
-        return [t.draft(r[:n]) for t, r, n in zip(trees, ranked, sizes)]
+        return [t.draft(r[:n], sum(p[:n])) for t, r, p, n in zip(trees, ranked, probs, sizes)]
 
     def _features(self, f: torch.Tensor | None, first: int, lo: int, hi: int) -> torch.Tensor:
         """[hi - lo, feature size]: the target's features for positions lo .. hi - 1 (``f`` holds positions from
@@ -190,9 +191,9 @@ class _Tree:
         self.feature.append(feature)
         return len(self.tokens) - 1
 
-    def draft(self, nodes: list[int]) -> Draft:
+    def draft(self, nodes: list[int], predicted: float) -> Draft:
         """The chosen nodes (closed under parents) as a draft tree, by depth then score."""
         order = sorted(nodes, key=lambda node: (self.depth[node], -self.scores[node]))
         index = {node: j for j, node in enumerate(order)}
         return Draft([self.tokens[node] for node in order], None,
-                     [index[self.parents[node]] if self.parents[node] >= 0 else -1 for node in order])
+                     [index[self.parents[node]] if self.parents[node] >= 0 else -1 for node in order], predicted)

@@ -38,6 +38,7 @@ class Draft:
     # A tree (``outputs.ScheduledRequest.spec_parents``): each draft's parent; None: a chain. Tree drafts
     # are candidates, verified by multi-draft rejection (``sample.rejection_sampler.verify_tree``): no q.
     parents: list[int] | None = None
+    predicted: float = 0.0  # a tree: the sum of its nodes' draft path probabilities (expected accepted nodes)
 
 
 class Proposer(Protocol):

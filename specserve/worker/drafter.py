@@ -83,7 +83,6 @@ class Drafter:
         # Draft trees: the predicted accepted nodes (sum of draft path probabilities) of each tree in flight.
         self._tree_predicted: dict[str, float] = {}
         self._router: LookupFirstProposer | None = None  # --prompt-lookup-first
-        self._tree_sizes: list[float] = []
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _load_draft_model(self) -> LlamaModel | EagleHead | None:
@@ -147,7 +146,7 @@ class Drafter:
             step = self.mirror.wrap("eagle", eagle_step(self.target, self.model, self.kv_caches[0], block_size, device))
             return EagleProposer(self._timed(step), arch.hidden_size * self.model.cfg.num_feature_layers,
                                  arch.vocab_size, spec_config.eagle_topk, spec_config.num_draft_tokens or 0,
-                                 self._choose_nodes)
+                                 lambda probs: self.controller.choose_tree_sizes(probs))
         if spec_config.method == "layer_skip":
             layers = spec_config.draft_layers or max(1, arch.num_layers // 4)
             if layers >= arch.num_layers:
@@ -220,11 +219,6 @@ class Drafter:
             self.source_stats.setdefault(source, SpecStats()).record(num_draft, num_accepted)
         return source or self.spec_config.method or ""
 
-    def _choose_nodes(self, probs: list[list[float]]) -> list[int]:
-        sizes = self.controller.choose_tree_sizes(probs)
-        self._tree_sizes = [sum(p[:n]) for p, n in zip(probs, sizes)]
-        return sizes
-
     def propose(self, cands: list[ProposeRequest]) -> dict[str, Draft]:
         """Drafts for the next step. ``cands``: the speculating requests after this step, each with ``k`` the
         most drafts it has room for; the controller picks each one's k within that (0: no drafts).
@@ -259,11 +253,7 @@ class Drafter:
             return out
         t0, captures = time.perf_counter(), self.num_captures()
         self._calls = []
-        self._tree_sizes = []
         drafts = proposer.propose(reqs)
-        tree_reqs = [r for r, d in zip(reqs, drafts) if d.parents is not None]
-        for r, predicted in zip(tree_reqs, self._tree_sizes):
-            self._tree_predicted[r.req_id] = predicted
         stepped = [r.k for r, s in zip(reqs, req_sources) if s not in FREE_SOURCES]  # drafts costing model steps
         step_cost = draft_step_cost(self._calls, time.perf_counter() - t0, max(stepped, default=1))
         self._calls = []
@@ -276,6 +266,8 @@ class Drafter:
             if d.token_ids:
                 out[r.req_id] = d
                 self._sources[r.req_id] = source
+                if d.parents is not None:
+                    self._tree_predicted[r.req_id] = d.predicted
         return out
 
     def _grammar_draft(self, c: ProposeRequest, forced: list[int]) -> list[int]:

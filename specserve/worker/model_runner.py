@@ -29,7 +29,7 @@ from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutp
 from specserve.platform import Platform, resolve_dtype, to_device
 from specserve.sample.grammar import GrammarState
 from specserve.sample.rejection_sampler import verify, verify_tree
-from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits
+from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits, row_starts
 from specserve.spec_decode.proposer import ProposeRequest
 from specserve.worker.drafter import Drafter, mirrors_draft_calls
 from specserve.worker.features import FeatureSink, sink_features
@@ -273,9 +273,7 @@ class ModelRunner:
         tree = [i for i, r in enumerate(rows) if r.spec_parents is not None]
         if not tree:
             return verify(processed, states, counts, drafts, qs), {}
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
+        starts = [*row_starts(counts), sum(counts)]
         emitted: list[list[int]] = [[] for _ in rows]
         paths: dict[int, list[int]] = {}
         for i in tree:
