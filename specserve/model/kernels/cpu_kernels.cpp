@@ -9,13 +9,16 @@
 // multiplied with the weight codes exactly in integers (vpmaddwd), and the group's sum is scaled by
 // scale * d in fp32 (the 4-bit min term uses the exact fp32 sum of x). Relative to fp32 activations this adds
 // at most 1/65534 of a group's largest activation per element; it halves the instructions per weight, which
-// decide the speed here (measured on AVX2 without 512-bit units: 2.1x at one row).
+// decide the speed here (measured on AVX2 without 512-bit units: 2.1x at one row). The inner loop takes two
+// groups at a time, one per 128-bit lane, so the conversion and scaling of the integer sums cost one
+// instruction each per two groups.
 //
 // NOTE: each output y[m, n] is summed by one thread in an order that depends only on K -- never on M, on
 // the other rows, or on the thread count -- and each row's activations are rounded on their own, so the
 // result of a row is the same in any batch (decode at 1 row and verification at k + 1 rows agree bit for
-// bit). The weight codes of a group are widened once and applied to up to kRowTile rows, so a k + 1-row
+// bit). The weight codes of a block are widened once and applied to up to kRowTile rows, so a k + 1-row
 // verification reads the weights once.
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,12 +28,13 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int kGroup = 32;
-constexpr int kRowTile = 8;
+constexpr int kRowTile = 6;  // rows per pass over the weights (more spill the accumulators out of registers)
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -39,67 +43,124 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Activation rows in groups of 32: codes round(x / d) with d = max|x| / 32767 (a 16-bit grid: the largest
-// rounding error is 1/65534 of the group's largest value), and the group's fp32 sum (for the min term).
+// Activation rows for the matmuls, in pairs of groups ("blocks", the unit of the kernel's inner loop).
+// Each group of 32 is rounded to a 16-bit grid of its own: codes round(x / d), d = max|x| / 32767 (the
+// largest rounding error is 1/65534 of the group's largest value). A block of groups a, b holds its 64 codes
+// in the order the unpacked weight registers have them: [a0-7, b0-7, a8-15, b8-15, a16-23, b16-23, a24-31,
+// b24-31]; with an odd group count the last group a is a block of its own: [a0-7, a16-23, a8-15, a24-31].
+// dv: per block the 8 fp32 lanes' activation scales, [da x4, db x4] (a lone group: da x8); sum: per group
+// the fp32 sum of x (the 4-bit min term).
 struct Rows {
-  std::vector<int16_t> q;  // [M, K]
-  std::vector<float> d;    // [M, groups]
-  std::vector<float> sum;  // [M, groups]
+  int64_t G, B;            // groups and blocks per row
+  std::vector<int16_t> q;  // [M, B * 64]
+  std::vector<float> dv;   // [M, B, 8]
+  std::vector<float> sum;  // [M, G]
 };
 Rows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t G = K / kGroup;
-  Rows o{std::vector<int16_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  const int64_t G = K / kGroup, B = (G + 1) / 2;
+  Rows o{G, B, std::vector<int16_t>(M * B * 64), std::vector<float>(M * B * 8), std::vector<float>(M * G)};
   const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t i = 0; i < M * G; ++i) {
-    const float* xg = x + i * kGroup;
-    __m256 v[4], mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) { v[j] = _mm256_loadu_ps(xg + 8 * j); mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j])); sm = _mm256_add_ps(sm, v[j]); }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4)); m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-    __m256i c[4];
-    for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
-    // packs per 128-bit lane: [c0 0-3, c1 0-3 | c0 4-7, c1 4-7] -> permute 64-bit quarters into order
-    const __m256i a = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
-    const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q.data() + i * kGroup), a);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q.data() + i * kGroup + 16), b);
-    o.d[i] = amax / 32767.f;
-    o.sum[i] = hsum(sm);
+  static constexpr int kLone[4] = {0, 2, 1, 3};  // a lone group's 8-code chunks: slots in its block
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * K + g * kGroup;
+      __m256 v[4], mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) { v[j] = _mm256_loadu_ps(xg + 8 * j); mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j])); sm = _mm256_add_ps(sm, v[j]); }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4)); m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4), d = amax / 32767.f;
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+      __m256i c[4];
+      for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+      // packs per 128-bit lane: [c0 0-3, c1 0-3 | c0 4-7, c1 4-7] -> permute 64-bit quarters into order
+      const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);  // codes 0-15
+      const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8);  // codes 16-31
+      const __m128i chunk[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+      const int64_t b = g / 2;
+      const bool lone = g == G - 1 && G % 2;
+      int16_t* dst = o.q.data() + (m * B + b) * 64;
+      float* dv = o.dv.data() + (m * B + b) * 8;
+      for (int j = 0; j < 4; ++j) {
+        const int slot = lone ? kLone[j] * 8 : j * 16 + (g % 2) * 8;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + slot), chunk[j]);
+      }
+      for (int j = 0; j < (lone ? 8 : 4); ++j) dv[(g % 2) * 4 + j] = d;
+      o.sum[m * G + g] = hsum(sm);
+    }
   }
   return o;
 }
-// kRows rows of y from m0, output columns [n0, n1): per group, 16-bit x codes times the weight codes in
-// integers (vpmaddwd: exact), scaled by scale * d in fp32; the row count is a template argument so the
-// accumulators stay in registers, and the arithmetic of a row is the same for every row count.
+
+// A block's weight codes as four 16-bit registers in the activations' order (above): u[0..3] pair with
+// activation registers 0..3; a lone group fills u[0], u[1] only.
+//   q4 (one 32-byte load = groups a, b; low nibbles are codes 0-15, high nibbles 16-31), widened in-lane with
+//   unpack (lane 0 = group a, lane 1 = group b);
+//   q8 (groups a, b are 32 bytes each): [a0-15 | b0-15] and [a16-31 | b16-31], sign-extended in-lane.
+template <bool kQ4, bool lone>
+inline void block_codes(const uint8_t* qn, int64_t b, __m256i u[4]) {
+  const __m256i z = _mm256_setzero_si256();
+  __m256i r0, r1;  // bytes: [a0-15 | b0-15], [a16-31 | b16-31] (lone: [a0-15 | a16-31] in r0)
+  if constexpr (kQ4) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    if constexpr (lone) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * 32));
+      r0 = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), m);
+    } else {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + b * 32));
+      r0 = _mm256_and_si256(raw, m);
+      r1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
+    }
+    u[0] = _mm256_unpacklo_epi8(r0, z); u[1] = _mm256_unpackhi_epi8(r0, z);
+    if constexpr (!lone) { u[2] = _mm256_unpacklo_epi8(r1, z); u[3] = _mm256_unpackhi_epi8(r1, z); }
+  } else {
+    const uint8_t* p = qn + b * 64;
+    if constexpr (lone) {
+      r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    } else {
+      r0 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)), 1);
+      r1 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))),
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 48)), 1);
+    }
+    const __m256i s0 = _mm256_cmpgt_epi8(z, r0);
+    u[0] = _mm256_unpacklo_epi8(r0, s0); u[1] = _mm256_unpackhi_epi8(r0, s0);
+    if constexpr (!lone) {
+      const __m256i s1 = _mm256_cmpgt_epi8(z, r1);
+      u[2] = _mm256_unpacklo_epi8(r1, s1); u[3] = _mm256_unpackhi_epi8(r1, s1);
+    }
+  }
+}
+
+// R rows of y from m0, output columns [n0, n1). Per block, the 16-bit activation codes times the weight codes
+// in integers (vpmaddwd: exact), summed per 128-bit lane (lane 0 = group a, lane 1 = group b), converted
+// and scaled by scale * d per lane in fp32. R is a template argument so the accumulators stay in registers;
+// the arithmetic of a row is the same for every R.
 template <bool kQ4, int R>
-void tile(const Rows& xq, int64_t K, const uint8_t* q, const float* sc, const float* mins, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  const int64_t G = K / kGroup, bytes = kQ4 ? 16 : 32;
+void tile(const Rows& xq, const uint8_t* q, const float* sc, const float* mins, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t G = xq.G, B = xq.B, bytes = kQ4 ? 16 : 32;
+  const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const int16_t* xb = xq.q.data() + m0 * B * 64; const float* dvb = xq.dv.data() + m0 * B * 8;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qn = q + n * G * bytes; const float* sn = sc + n * G;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      __m256i w0, w1;  // codes 0-15 and 16-31 as i16
-      if constexpr (kQ4) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 16));
-        const __m128i m = _mm_set1_epi8(0x0F);
-        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m));
-        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m));
-      } else {
-        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 32)));
-        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 32 + 16)));
-      }
-      const __m256 ws = _mm256_broadcast_ss(sn + g);
+    auto block = [&](int64_t b, auto lone_t) {
+      constexpr bool lone = decltype(lone_t)::value;
+      __m256i u[4];
+      block_codes<kQ4, lone>(qn, b, u);
+      __m256 ws;
+      if constexpr (lone) ws = _mm256_broadcast_ss(sn + 2 * b);
+      else ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sn + 2 * b)))), pair);
       for (int r = 0; r < R; ++r) {
-        const int64_t row = (m0 + r) * G + g;
-        const int16_t* xr = xq.q.data() + row * kGroup;
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
-                                           _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16))));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(ws, _mm256_broadcast_ss(xq.d.data() + row)), acc[r]);
+        const __m256i* xr = reinterpret_cast<const __m256i*>(xb + (r * B + b) * 64);
+        __m256i p = _mm256_add_epi32(_mm256_madd_epi16(u[0], _mm256_loadu_si256(xr)), _mm256_madd_epi16(u[1], _mm256_loadu_si256(xr + 1)));
+        if constexpr (!lone) p = _mm256_add_epi32(p, _mm256_add_epi32(_mm256_madd_epi16(u[2], _mm256_loadu_si256(xr + 2)), _mm256_madd_epi16(u[3], _mm256_loadu_si256(xr + 3))));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(ws, _mm256_loadu_ps(dvb + (r * B + b) * 8)), acc[r]);
       }
-    }
+    };
+    for (int64_t b = 0; b < G / 2; ++b) block(b, std::false_type{});
+    if (G % 2) block(G / 2, std::true_type{});
     for (int r = 0; r < R; ++r) {
       float m = 0.f;
       if constexpr (kQ4) {  // the min term: sum over groups of min * sum(x), 8 groups at a time
@@ -128,14 +189,12 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc,
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
       switch (std::min<int64_t>(kRowTile, M - m0)) {
-        case 1: tile<kQ4,1>(xq,K,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 2: tile<kQ4,2>(xq,K,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 3: tile<kQ4,3>(xq,K,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 4: tile<kQ4,4>(xq,K,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 5: tile<kQ4,5>(xq,K,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 6: tile<kQ4,6>(xq,K,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 7: tile<kQ4,7>(xq,K,qp,sp,mp,yp,N,m0,n0,n1); break;
-        default: tile<kQ4,8>(xq,K,qp,sp,mp,yp,N,m0,n0,n1); break;
+        case 1: tile<kQ4,1>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+        case 2: tile<kQ4,2>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+        case 3: tile<kQ4,3>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+        case 4: tile<kQ4,4>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+        case 5: tile<kQ4,5>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+        default: tile<kQ4,6>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
       }
     }
   });
