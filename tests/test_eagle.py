@@ -23,8 +23,11 @@ from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.distill import dense
 from specserve.llm import LLM
 from specserve.model.eagle_head import EagleConfig, EagleHead, save_eagle_head
+from specserve.model.kernels import load_cpu_kernels
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import load_checkpoint
+from specserve.model.quant import CpuQuantWeight
+from specserve.platform import detect
 from tests.helpers import save_tiny_checkpoint, save_tiny_eagle_head
 
 PROMPTS = ["hello world, hello world, hello", "def add(a, b):\n    return a + b\n", "abc abc abc abc",
@@ -201,6 +204,42 @@ def test_reduced_draft_vocab(tiny, reference):
     assert _greedy(llm) == reference
     assert drafted and all(32 <= t < 128 for t in drafted)
     assert llm.get_metrics()["speculative"]["accepted_tokens"] > 0
+
+
+@pytest.mark.skipif(detect("cpu").quant_kernels != "cpu" or not load_cpu_kernels(),
+                    reason="the C++ CPU kernels need an x86 CPU with AVX2 and a C++ compiler")
+def test_quantized_target_gets_an_8bit_head_and_stays_exact(tiny):
+    """With a quantized target on the CPU kernels the head's matmuls go 8-bit: its predictions move by the
+    int8 rounding only, and the output still equals plain decoding of the quantized target bit for bit."""
+    ref = _greedy(LLM(tiny["target"], quantization="int8", **ENGINE))
+    llm = LLM(tiny["target"], quantization="int8", speculative_model=tiny["head_multi"], num_speculative_tokens=3,
+              speculative_adaptive=False, **ENGINE)
+    head = llm.engine.runner.drafter.model
+    assert isinstance(head, EagleHead)
+    assert all(isinstance(w, CpuQuantWeight) for w in (head.fc, head.layer.attn.qkv, head.layer.mlp.down))
+    assert _greedy(llm) == ref
+    assert llm.get_metrics()["speculative"]["accepted_tokens"] > 0
+    trees = LLM(tiny["target"], quantization="int8", speculative_model=tiny["head"], speculative_adaptive=False,
+                max_num_seqs=4, **TREE, **ENGINE)  # tree steps through the fused decoder_layer kernel
+    calls = []
+    fused = torch.ops.specserve_cpu.decoder_layer
+    torch.ops.specserve_cpu.decoder_layer = lambda *a: calls.append(a[-1] is not None) or fused(*a)
+    try:
+        assert _greedy(trees) == ref
+    finally:
+        torch.ops.specserve_cpu.decoder_layer = fused
+    assert any(calls)  # some steps carried a tree mask into the fused layer
+    dense_head = LLM(tiny["target"], speculative_model=tiny["head_multi"], num_speculative_tokens=3,
+                     **ENGINE).engine.runner.drafter.model  # float target: the head stays float
+    assert isinstance(dense_head.fc, torch.nn.Parameter)
+    gen = torch.Generator().manual_seed(3)
+    embeds, feats = torch.randn(5, 64, generator=gen), torch.randn(5, 128, generator=gen) * 20
+    want, got = dense_head.fuse(embeds, feats), head.fuse(embeds, feats)
+    assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+    assert not torch.equal(got, want)  # the packed weights are in use
+    sd, ref_sd = head.hf_state_dict(), dense_head.hf_state_dict()  # saving a packed head dequantizes
+    assert sd.keys() == ref_sd.keys()
+    assert all((sd[n] - ref_sd[n]).abs().max().item() <= 0.01 * ref_sd[n].abs().max().item() + 1e-6 for n in sd)
 
 
 def test_input_norms_make_the_head_blind_to_feature_scale(tiny):

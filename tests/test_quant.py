@@ -69,12 +69,13 @@ def test_quantization_choices_are_validated():
 
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
-def test_cpu_matmul_matches_reference_and_is_row_invariant(bits):
+@pytest.mark.parametrize("k", [160, 576])  # an odd group count (a lone last group) and the demo's width
+def test_cpu_matmul_matches_reference_and_is_row_invariant(bits, k):
     torch.manual_seed(0)
-    w = torch.randn(72, 160)
+    w = torch.randn(72, k)
     qt = quantize(w, bits)
     packed = CpuQuantWeight(qt, torch.device("cpu"))
-    x = torch.randn(23, 160)
+    x = torch.randn(23, k)
     ref = x @ qt.dequantize().t()
     y = packed(x)
     assert (y - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
@@ -88,6 +89,26 @@ def test_cpu_matmul_matches_reference_and_is_row_invariant(bits):
     if bits == 4:
         swapped = CpuQuantWeight(QuantizedTensor(4, 15 - qt.codes, qt.scales, qt.mins), torch.device("cpu"))
         assert (swapped(x) - ref).abs().max().item() > 0.1
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_weights_keep_fp16_scales_when_exact(bits):
+    torch.manual_seed(1)
+    qt = quantize(torch.randn(40, 576), bits)
+    for t in (qt.scales, qt.mins):  # requantized scales and mins are fp16 values, as GGUF's
+        assert t is None or torch.equal(t.half().float(), t)
+    packed = CpuQuantWeight(qt, torch.device("cpu"))
+    assert packed.scales.dtype == torch.float16
+    x = torch.randn(7, 576)
+    as_fp32 = CpuQuantWeight(qt, torch.device("cpu"))
+    as_fp32.scales = as_fp32.scales.float()
+    if as_fp32.mins is not None:
+        as_fp32.mins = as_fp32.mins.float()
+    assert torch.equal(packed(x), as_fp32(x))  # the kernel reads either storage to the same numbers
+    assert torch.equal(packed.unpacked().scales, qt.scales)
+    inexact = QuantizedTensor(bits, qt.codes, qt.scales + 1e-6, qt.mins)  # not fp16 values: stay fp32
+    assert CpuQuantWeight(inexact, torch.device("cpu")).scales.dtype == torch.float32
 
 
 @needs_kernels

@@ -27,6 +27,8 @@ from specserve.config import CheckpointError, ModelArch, SpecserveError
 from specserve.model.attention import AttentionBackend, AttentionMetadata
 from specserve.model.layers import RMSNorm, RotaryEmbedding
 from specserve.model.llama import DecoderLayer
+from specserve.model.ops import TorchOps
+from specserve.model.quant import GROUP, CpuQuantWeight, PackedWeight, packed_linear, quantize
 
 EAGLE_KIND = "eagle"
 _LAYER = "layers.0."
@@ -101,7 +103,9 @@ class EagleHead(nn.Module):
         # Reduced draft vocabulary: token ids [M] and the target's LM-head rows for them [M, hidden] (a copy,
         # counted with the head's weights): the LM head is most of a draft step's cost (49k x 576 on the demo).
         self.draft_vocab: torch.Tensor | None = None
-        self.draft_lm_head: nn.Parameter | None = None
+        self.draft_lm_head: nn.Parameter | PackedWeight | None = None
+        self.linear: Callable[..., torch.Tensor] = F.linear  # quant.packed_linear once ``pack_weights`` ran
+        self.ops: TorchOps = TorchOps()  # the target's (fused C++ ops on CPU) once ``pack_weights`` ran
 
     def set_draft_vocab(self, ids: torch.Tensor, lm_head: torch.Tensor) -> None:
         self.draft_vocab = ids.to(self.device, torch.long)
@@ -114,7 +118,7 @@ class EagleHead(nn.Module):
         if self.draft_lm_head is None or self.draft_vocab is None:
             return target_logits(normed)
         out = torch.full((normed.shape[0], self.cfg.vocab_size), float("-inf"), device=normed.device)
-        out[:, self.draft_vocab] = F.linear(normed, self.draft_lm_head).float()
+        out[:, self.draft_vocab] = self.linear(normed, self.draft_lm_head).float()
         return out
 
     def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -126,17 +130,36 @@ class EagleHead(nn.Module):
             features = torch.cat([features.new_zeros(*features.shape[:-1], (n - 1) * h), features], dim=-1)
         if self.embed_norm is not None and self.feature_norm is not None:
             embeds, features = self.embed_norm(embeds), self.feature_norm(features)
-        return F.linear(torch.cat([embeds, features], dim=-1), self.fc, self.fc_bias)
+        return self.linear(torch.cat([embeds, features], dim=-1), self.fc, self.fc_bias)
+
+    def pack_weights(self, ops: TorchOps) -> bool:
+        """Quantize the head's matmul weights (fc, the layer's four, the reduced LM head) to 8 bits in groups
+        of 32 for the CPU kernels, so a draft step streams about a quarter of the bytes, and run its layer
+        through ``ops`` (the target's: with fused CPU ops, one ``decoder_layer`` call). Drafts only propose (the
+        target verifies every token), so this can change which tokens are drafted, never the output.
+        False (nothing changed) where a weight's input size is not a multiple of the group."""
+        a, m = self.layer.attn, self.layer.mlp
+        slots: list[tuple[nn.Module, str]] = [(self, "fc"), (a, "qkv"), (a, "o"), (m, "gate_up"), (m, "down")]
+        if self.draft_lm_head is not None:
+            slots.append((self, "draft_lm_head"))
+        if any(getattr(mod, attr).shape[-1] % GROUP for mod, attr in slots):
+            return False
+        for mod, attr in slots:
+            w = getattr(mod, attr)
+            delattr(mod, attr)  # a registered Parameter cannot be reassigned to a module
+            setattr(mod, attr, CpuQuantWeight(quantize(w.detach().float(), 8, attr), self.device))
+        self.linear = a.linear = m.linear = packed_linear
+        self.ops = ops
+        return True
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """embeds [T, hidden] of t_p, features [T, hidden] of h_{p-1}, positions [T] -> predicted h_p."""
         assert self.backend is not None
-        x = self.fuse(embeds, features)
-        layer = self.layer
-        x = x + layer.attn(layer.input_norm(x), positions, self.rope, kv_cache, meta, self.backend)
-        return x + layer.mlp(layer.post_norm(x))
+        h, out = self.ops.layer(self.layer, self.fuse(embeds, features), None, positions, self.rope, kv_cache, meta,
+                                self.backend)
+        return h + out
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
@@ -144,15 +167,19 @@ class EagleHead(nn.Module):
     # -- weights (HF-style, unfused names) -------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         a, m = self.layer.attn, self.layer.mlp
-        q, k, v = a.qkv.detach().split([a.q_size, a.kv_size, a.kv_size], dim=0)
-        gate, up = m.gate_up.detach().split(m.inter, dim=0)
+
+        def w(t: torch.Tensor | PackedWeight) -> torch.Tensor:
+            return t.dequantize(self.dtype) if isinstance(t, PackedWeight) else t.detach()
+
+        q, k, v = w(a.qkv).split([a.q_size, a.kv_size, a.kv_size], dim=0)
+        gate, up = w(m.gate_up).split(m.inter, dim=0)
         p, sa = _LAYER, _LAYER + "self_attn."
         norms = {} if self.embed_norm is None or self.feature_norm is None else {
             "embed_norm.weight": self.embed_norm.weight.detach(), "feature_norm.weight": self.feature_norm.weight.detach()}
-        return {**norms, "fc.weight": self.fc.detach(), "fc.bias": self.fc_bias.detach(),
+        return {**norms, "fc.weight": w(self.fc), "fc.bias": self.fc_bias.detach(),
                 sa + "q_proj.weight": q, sa + "k_proj.weight": k, sa + "v_proj.weight": v,
-                sa + "o_proj.weight": a.o.detach(), p + "mlp.gate_proj.weight": gate,
-                p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": m.down.detach(),
+                sa + "o_proj.weight": w(a.o), p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": w(m.down),
                 p + "input_layernorm.weight": self.layer.input_norm.weight.detach(),
                 p + "post_attention_layernorm.weight": self.layer.post_norm.weight.detach()}
 

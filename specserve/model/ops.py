@@ -56,13 +56,13 @@ class CpuFusedOps(TorchOps):
               rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
               ) -> tuple[torch.Tensor, torch.Tensor]:
         weights = _fused_weights(layer, kv_cache)
-        if weights is None or meta.tree_mask is not None:  # draft trees: the per-op path (the same numbers)
+        if weights is None:
             return super().layer(layer, h, delta, positions, rope, kv_cache, meta, backend)
         a = layer.attn
         return torch.ops.specserve_cpu.decoder_layer(
             h, delta, layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps, *weights, positions,
             rope.cos, rope.sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0)
+            a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0, meta.tree_base, meta.tree_mask)
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,22 +71,28 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 def quantize(w: torch.Tensor, bits: int, name: str = "weight") -> QuantizedTensor:
     """Requantize a float [N, K] weight: 4 bits asymmetric (min/max per group, as Q4_1), 8 bits symmetric
-    (absmax per group, as Q8_0). Rounds to nearest."""
+    (absmax per group, as Q8_0). Scales and mins are fp16 values (as GGUF stores them, so the CPU kernels
+    keep them in fp16); codes round to nearest against them."""
     n, k = w.shape
     if k % GROUP:
         raise CheckpointError(f"cannot quantize {name} to int{bits}: its input size {k} is not a multiple of "
                               f"the group size {GROUP} (use --quantization none)")
     g = w.detach().float().reshape(n, k // GROUP, GROUP)
     if bits == 8:
-        scales = g.abs().amax(-1) / 127.0
+        scales = _fp16_values(g.abs().amax(-1) / 127.0)
         inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-        codes = torch.round(g * inv[..., None]).clamp(-128, 127).to(torch.int8)
+        codes = torch.round(g * inv[..., None]).clamp(-127, 127).to(torch.int8)
         return QuantizedTensor(8, codes.view(n, k), scales.contiguous(), None)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scales = (hi - lo) / 15.0
+    lo = _fp16_values(g.amin(-1))
+    scales = _fp16_values((g.amax(-1) - lo) / 15.0)
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     codes = torch.round((g - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
     return QuantizedTensor(4, codes.view(n, k), scales.contiguous(), lo.contiguous())
+
+
+def _fp16_values(t: torch.Tensor) -> torch.Tensor:
+    """fp32 holding the nearest fp16 values (clamped to fp16's finite range)."""
+    return t.clamp(-65504.0, 65504.0).half().float()
 
 
 # -- packed weights: what the layers hold and call -------------------------------------------------------------
@@ -130,9 +136,9 @@ class DenseWeight(PackedWeight):
 
 
 class _Quantized(PackedWeight):
-    """Shared state of the kernel-backed weights: scales/mins as fp32 buffers, the dequantized reference."""
+    """Shared state of the kernel-backed weights: scales/mins as buffers, the dequantized reference."""
 
-    scales: torch.Tensor  # [N, K // GROUP] float32
+    scales: torch.Tensor  # [N, K // GROUP] float32 (fp16 in CpuQuantWeight where exact)
     mins: torch.Tensor | None
     packed: torch.Tensor  # the codes in the layout the kernel reads
 
@@ -150,7 +156,10 @@ class _Quantized(PackedWeight):
 
 
 class CpuQuantWeight(_Quantized):
-    """AVX2 kernels (``kernels/cpu_kernels.cpp``): 4-bit codes packed as GGUF's Q4 blocks, 8-bit codes as is."""
+    """AVX2 kernels (``kernels/cpu_kernels.cpp``): 4-bit codes packed as GGUF's Q4 blocks, 8-bit codes as is.
+    Scales and mins are kept in fp16 when they are fp16 values (GGUF's blocks and ``quantize``'s output
+    are): a decode step streams them with the codes, and fp16 makes that a quarter of the bytes instead of
+    two fifths."""
 
     def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
         super().__init__(qt, device)
@@ -161,14 +170,21 @@ class CpuQuantWeight(_Quantized):
         else:
             packed = qt.codes
         self.register_buffer("packed", packed.contiguous().to(device))
+        parts = [self.scales] + ([] if self.mins is None else [self.mins])
+        if all(torch.equal(t.half().float(), t) for t in parts):
+            self.scales = self.scales.half()
+            if self.mins is not None:
+                self.mins = self.mins.half()
 
     def unpacked(self) -> QuantizedTensor:
         n, k = self.shape
+        scales = self.scales.float()
+        mins = None if self.mins is None else self.mins.float()
         if self.bits == 8:
-            return QuantizedTensor(8, self.packed, self.scales, None)
+            return QuantizedTensor(8, self.packed, scales, None)
         b = self.packed.view(n, k // GROUP, GROUP // 2)
         codes = torch.stack([b & 0xF, b >> 4], dim=2).reshape(n, k)
-        return QuantizedTensor(4, codes, self.scales, self.mins)
+        return QuantizedTensor(4, codes, scales, mins)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 4:

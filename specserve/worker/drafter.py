@@ -23,6 +23,7 @@ from specserve.model.attention import make_backend
 from specserve.model.eagle_head import EagleHead, load_eagle_head
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import load_checkpoint
+from specserve.model.quant import packed_linear
 from specserve.model.tensor_parallel import TensorParallel
 from specserve.platform import Platform
 from specserve.request import SpecStats
@@ -95,9 +96,14 @@ class Drafter:
                 return self.build(ckpt, TensorParallel.create(ckpt.arch, tp.comm))
             return self.build(ckpt)
         if spec_config.method == "eagle":
-            return load_eagle_head(spec_config.model or "", arch, self.target.lm_head_weight, self.dtype,
+            head = load_eagle_head(spec_config.model or "", arch, self.target.lm_head_weight, self.dtype,
                                    self.platform.device, make_backend(self.platform.attention_backend),
                                    self.max_positions)
+            # A quantized target on the CPU kernels: the head's weights go 8-bit too and its layer runs through
+            # the target's fused ops (drafts are verified, so the output cannot change).
+            if getattr(self.target, "linear", None) is packed_linear and self.platform.quant_kernels == "cpu":
+                head.pack_weights(self.target.ops)
+            return head
         return None
 
     def start(self, alloc_kv: KvAllocator, target_kv: list[torch.Tensor], block_size: int,

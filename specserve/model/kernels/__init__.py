@@ -32,8 +32,11 @@ def _build() -> bool:
 
         src = os.path.join(os.path.dirname(__file__), "cpu_kernels.cpp")
         log.info("CPU kernels: loading (compiled on first use on this machine, ~20 s)")
-        load(name="specserve_cpu_kernels", sources=[src], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        # -ffp-contract=off: scalar a * b + c is never fused into an FMA behind our back, so code shared by
+        # the row-count instantiations of a kernel rounds the same in each (row invariance); FMAs are explicit.
+        cflags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+        load(name="specserve_cpu_kernels", sources=[src], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: run without them
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

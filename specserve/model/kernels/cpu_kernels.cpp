@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -92,6 +93,17 @@ Rows quantize_rows(const float* x, int64_t M, int64_t K) {
   return o;
 }
 
+// Weight scales and mins are fp32 or fp16 (GGUF keeps them in fp16: half the bytes a decode step streams
+// for them); S is the stored type. scale2: the two scales of a block in lanes 0, 1; scale8: eight in order.
+template <typename S> inline __m128 scale2(const S* p);
+template <> inline __m128 scale2<float>(const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); }
+template <> inline __m128 scale2<at::Half>(const at::Half* p) {
+  int32_t bits; std::memcpy(&bits, p, 4); return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+template <typename S> inline __m256 scale8(const S* p);
+template <> inline __m256 scale8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 scale8<at::Half>(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // A block's weight codes as four 16-bit registers in the activations' order (above): u[0..3] pair with
 // activation registers 0..3; a lone group fills u[0], u[1] only.
 //   q4 (one 32-byte load = groups a, b; low nibbles are codes 0-15, high nibbles 16-31), widened in-lane with
@@ -136,13 +148,13 @@ inline void block_codes(const uint8_t* qn, int64_t b, __m256i u[4]) {
 // in integers (vpmaddwd: exact), summed per 128-bit lane (lane 0 = group a, lane 1 = group b), converted
 // and scaled by scale * d per lane in fp32. R is a template argument so the accumulators stay in registers;
 // the arithmetic of a row is the same for every R.
-template <bool kQ4, int R>
-void tile(const Rows& xq, const uint8_t* q, const float* sc, const float* mins, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+template <bool kQ4, typename S, int R>
+void tile(const Rows& xq, const uint8_t* q, const S* sc, const S* mins, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t G = xq.G, B = xq.B, bytes = kQ4 ? 16 : 32;
   const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const int16_t* xb = xq.q.data() + m0 * B * 64; const float* dvb = xq.dv.data() + m0 * B * 8;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qn = q + n * G * bytes; const float* sn = sc + n * G;
+    const uint8_t* qn = q + n * G * bytes; const S* sn = sc + n * G;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     auto block = [&](int64_t b, auto lone_t) {
@@ -150,8 +162,8 @@ void tile(const Rows& xq, const uint8_t* q, const float* sc, const float* mins, 
       __m256i u[4];
       block_codes<kQ4, lone>(qn, b, u);
       __m256 ws;
-      if constexpr (lone) ws = _mm256_broadcast_ss(sn + 2 * b);
-      else ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sn + 2 * b)))), pair);
+      if constexpr (lone) ws = _mm256_set1_ps(static_cast<float>(sn[2 * b]));
+      else ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scale2<S>(sn + 2 * b)), pair);
       for (int r = 0; r < R; ++r) {
         const __m256i* xr = reinterpret_cast<const __m256i*>(xb + (r * B + b) * 64);
         __m256i p = _mm256_add_epi32(_mm256_madd_epi16(u[0], _mm256_loadu_si256(xr)), _mm256_madd_epi16(u[1], _mm256_loadu_si256(xr + 1)));
@@ -164,40 +176,48 @@ void tile(const Rows& xq, const uint8_t* q, const float* sc, const float* mins, 
     for (int r = 0; r < R; ++r) {
       float m = 0.f;
       if constexpr (kQ4) {  // the min term: sum over groups of min * sum(x), 8 groups at a time
-        const float* mn = mins + n * G; const float* xs = xq.sum.data() + (m0 + r) * G;
+        const S* mn = mins + n * G; const float* xs = xq.sum.data() + (m0 + r) * G;
         __m256 mv = _mm256_setzero_ps(); int64_t g = 0;
-        for (; g + 8 <= G; g += 8) mv = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xs + g), mv);
+        for (; g + 8 <= G; g += 8) mv = _mm256_fmadd_ps(scale8<S>(mn + g), _mm256_loadu_ps(xs + g), mv);
         m = hsum(mv);
-        for (; g < G; ++g) m += mn[g] * xs[g];
+        for (; g < G; ++g) m += static_cast<float>(mn[g]) * xs[g];
       }
       y[(m0 + r) * N + n] = hsum(acc[r]) + m;
     }
   }
+}
+template <bool kQ4, typename S>
+void mm_rows(const Rows& xq, const at::Tensor& q, const at::Tensor& sc, const c10::optional<at::Tensor>& mins, at::Tensor& y) {
+  const int64_t M = y.size(0), N = y.size(1);
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr()); const S* sp = sc.data_ptr<S>();
+  const S* mp = mins.has_value() ? mins->data_ptr<S>() : nullptr; float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+      switch (std::min<int64_t>(kRowTile, M - m0)) {
+        case 1: tile<kQ4,S,1>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+        case 2: tile<kQ4,S,2>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+        case 3: tile<kQ4,S,3>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+        case 4: tile<kQ4,S,4>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+        case 5: tile<kQ4,S,5>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+        default: tile<kQ4,S,6>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
+      }
+    }
+  });
 }
 template <bool kQ4>
 at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc, const c10::optional<at::Tensor>& mins) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % kGroup == 0, "x must be [M, K] with K a multiple of 32");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = sc.size(0);
-  TORCH_CHECK(sc.is_contiguous() && sc.scalar_type() == at::kFloat && sc.size(1) == K / kGroup && q.is_contiguous() &&
-              q.numel() == N * K / (kQ4 ? 2 : 1), "weight shape does not match x");
-  TORCH_CHECK(!kQ4 || (mins.has_value() && mins->sizes() == sc.sizes() && mins->is_contiguous()), "bad mins");
+  const bool half = sc.scalar_type() == at::kHalf;
+  TORCH_CHECK(sc.is_contiguous() && (half || sc.scalar_type() == at::kFloat) && sc.size(1) == K / kGroup &&
+              q.is_contiguous() && q.numel() == N * K / (kQ4 ? 2 : 1), "weight shape does not match x");
+  TORCH_CHECK(!kQ4 || (mins.has_value() && mins->sizes() == sc.sizes() && mins->is_contiguous() &&
+                       mins->scalar_type() == sc.scalar_type()), "bad mins");
   const Rows xq = quantize_rows(x.data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr()); const float* sp = sc.data_ptr<float>();
-  const float* mp = mins.has_value() ? mins->data_ptr<float>() : nullptr; float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-      switch (std::min<int64_t>(kRowTile, M - m0)) {
-        case 1: tile<kQ4,1>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 2: tile<kQ4,2>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 3: tile<kQ4,3>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 4: tile<kQ4,4>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 5: tile<kQ4,5>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-        default: tile<kQ4,6>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-      }
-    }
-  });
+  if (half) mm_rows<kQ4, at::Half>(xq, q, sc, mins, y);
+  else mm_rows<kQ4, float>(xq, q, sc, mins, y);
   return y.to(x_in.scalar_type());
 }
 at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& mins) {
@@ -500,7 +520,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& down_scale, const c10::optional<at::Tensor>& down_mins, const at::Tensor& positions,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t H,
-    int64_t Hkv, double scale, int64_t window) {
+    int64_t Hkv, double scale, int64_t window, const std::optional<at::Tensor>& tree_base,
+    const std::optional<at::Tensor>& tree_mask) {
   at::Tensor res, x;
   if (delta.has_value()) {
     std::tie(res, x) = add_rms_norm(h, *delta, input_norm, eps);
@@ -511,7 +532,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   at::Tensor qkv = qmm(x, qkv_codes, qkv_scale, qkv_mins);
   if (qkv_bias.has_value()) qkv = qkv + *qkv_bias;
   const at::Tensor q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, H, Hkv);
-  const at::Tensor a = paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window);
+  const at::Tensor a = paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window,
+                                       tree_base, tree_mask);
   const at::Tensor o = qmm(a.reshape({a.size(0), -1}), o_codes, o_scale, o_mins);
   const int64_t Hd = res.size(-1);  // res += o, x = norm(res): in place (res is this call's own tensor)
   add_rms_norm_rows(res.data_ptr<float>(), o.data_ptr<float>(), post_norm.contiguous().data_ptr<float>(),
@@ -538,7 +560,8 @@ TORCH_LIBRARY(specserve_cpu, m) {
         "Tensor? o_mins, Tensor gate_up_codes, Tensor gate_up_scale, Tensor? gate_up_mins, Tensor down_codes, "
         "Tensor down_scale, Tensor? down_mins, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_heads, "
-        "int num_kv_heads, float scale, int window) -> (Tensor, Tensor)");
+        "int num_kv_heads, float scale, int window, Tensor? tree_base=None, Tensor? tree_mask=None) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
