@@ -89,6 +89,17 @@ def test_dtype_resolution():
     assert plat.resolve_dtype(cpu, "bfloat16") == torch.bfloat16
 
 
+def test_auto_dtype_is_fp32_for_quantized_weights_on_the_cpu_kernels(monkeypatch):
+    # bf16 hardware: float models compute in bf16, but quantized weights run the fp32 kernels (fused layers).
+    bf16 = plat.Platform("cpu", torch.device("cpu"), torch.bfloat16, "cpu", False, "gloo")
+    monkeypatch.setattr(plat, "cpu_capability", lambda: "AVX512")
+    assert plat.resolve_dtype(bf16, "auto") == torch.bfloat16
+    assert plat.resolve_dtype(bf16, "auto", quantized=True) == torch.float32
+    assert plat.resolve_dtype(bf16, "bfloat16", quantized=True) == torch.bfloat16  # asked for: kept
+    monkeypatch.setattr(plat, "cpu_capability", lambda: "DEFAULT")  # no kernels: weights get dequantized
+    assert plat.resolve_dtype(bf16, "auto", quantized=True) == torch.bfloat16
+
+
 def test_no_vendor_question_outside_platform_module():
     root = pathlib.Path(__file__).resolve().parents[1] / "specserve"
     pattern = re.compile(r"\bhip\b|rocm|torch\.version", re.IGNORECASE)

@@ -233,6 +233,13 @@ def pack(w: torch.Tensor | QuantizedTensor, kernels: str | None, device: torch.d
     return DenseWeight(w.to(device=device, dtype=dtype), linear)
 
 
+def quantizes(mode: str, state_dict: dict) -> bool:
+    """Whether ``--quantization mode`` keeps (or makes) this checkpoint's matmul weights quantized."""
+    if mode == "none":
+        return False
+    return mode != "auto" or any(isinstance(t, QuantizedTensor) for t in state_dict.values())
+
+
 def make_packer(mode: str, kernels: str | None, state_dict: dict, device: torch.device, dtype: torch.dtype,
                 linear=F.linear):  # noqa: ANN001, ANN201 - the Linear seam; returns llama.Packer | None
     """What ``--quantization`` makes of a checkpoint's matmul weights, or None for a plain float model.
@@ -244,9 +251,7 @@ def make_packer(mode: str, kernels: str | None, state_dict: dict, device: torch.
       the LM head stays as the file has it when quantized, else 8 bits (as llama.cpp's Q4 files keep it).
     Without a kernel for this platform (``kernels`` None) weights are dequantized, with one warning.
     """
-    if mode == "none":
-        return None
-    if mode == "auto" and not any(isinstance(t, QuantizedTensor) for t in state_dict.values()):
+    if not quantizes(mode, state_dict):
         return None
     if kernels is None:
         log.warning("quantization %s: no weight-only kernel on this platform; weights are dequantized", mode)

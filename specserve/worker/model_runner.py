@@ -23,7 +23,7 @@ from specserve.model.eagle_head import EagleHead
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import Checkpoint
 from specserve.model.ops import make_ops
-from specserve.model.quant import describe_weights, make_packer, packed_linear
+from specserve.model.quant import describe_weights, make_packer, packed_linear, quantizes
 from specserve.model.tensor_parallel import Comm, TensorParallel
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import Platform, resolve_dtype, to_device
@@ -88,7 +88,7 @@ class ModelRunner:
         self.tp = TensorParallel.create(target.arch, comm) if comm is not None else None
         self.platform = platform
         self.device = platform.device
-        self.dtype = resolve_dtype(platform, config.model.dtype)
+        self.dtype = resolve_dtype(platform, config.model.dtype, quantizes(config.model.quantization, target.state_dict))
         log.info("compute dtype: %s (%s on %s)", str(self.dtype).removeprefix("torch."),
                  "--dtype auto" if config.model.dtype == "auto" else "--dtype", platform.kind)
         self.arch = target.arch
