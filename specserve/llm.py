@@ -16,6 +16,7 @@ from specserve.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = Engine(EngineConfig.from_kwargs(model, **engine_args))
+        self.engine.scheduler.closed_batches = True  # generate() adds all its requests before stepping
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]] | None = None,

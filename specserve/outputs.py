@@ -48,6 +48,9 @@ class SchedulerOutput:
     new_requests: list[NewRequestData]
     finished_req_ids: list[str]  # finished or aborted since the last step: the worker drops their state
     total_tokens: int
+    # No request waits and none will arrive (an offline batch draining): what counts is when the last running
+    # request finishes, not tokens per step (the speculation controller weighs requests by remaining work).
+    draining: bool = False
 
     @property
     def empty(self) -> bool:

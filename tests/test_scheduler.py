@@ -254,3 +254,24 @@ def test_cached_free_blocks_are_evicted_when_needed():
     add(sched, "b", list(range(50, 80)), 2)  # needs all 8 blocks: cached ones get evicted
     run(sched, runner)
     assert_pool_full(sched)
+
+
+def test_a_closed_batch_drains_once_nothing_waits():
+    """Offline batches (``closed_batches``, set by ``LLM``) report ``draining`` once no request waits, so the
+    speculation controller plans for the batch's end; a server's scheduler never does."""
+    for closed in (False, True):
+        sched = make(max_seqs=2)
+        sched.closed_batches = closed
+        runner = FakeRunner(sched)
+        for i in range(3):
+            add(sched, f"r{i}", list(range(5 + i)), 4)
+        seen = []
+        while sched.has_unfinished():
+            so = sched.schedule()
+            seen.append((so.draining, bool(sched.waiting)))
+            sched.update(so, runner.execute(so), lambda r, e, lp: (r.all_token_ids.extend(e), r.output_token_ids.extend(e),
+                                                                   None if r.num_output_tokens < 4 else
+                                                                   RequestStatus.FINISHED_LENGTH)[2])
+        assert any(w for _, w in seen) and any(not w for _, w in seen)
+        assert all(d == (closed and not w) for d, w in seen)
+

@@ -330,10 +330,13 @@ class ChaosController(SpecController):
         super().__init__(max_k)
         self.rng = random.Random(seed)
         self.seen: set[int] = set()
+        self.draining: set[bool] = set()  # whether a call came with the remaining tokens of a draining batch
 
-    def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[str] | None = None) -> list[int]:
+    def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[str] | None = None,
+                  remaining: list[int] | None = None, backlog: list[int] | None = None) -> list[int]:
         ks = [self.rng.randint(0, self.max_k) for _ in req_ids]
         self.seen.add(len(set(ks)))
+        self.draining.add(remaining is not None)
         return ks
 
 
@@ -346,6 +349,7 @@ def test_greedy_equal_with_per_request_k(tiny, method):
     assert_same(f"{method} per-request k", PROMPTS, ref.token_ids, [o.outputs[0].token_ids for o in outs],
                 ref.llm.engine.runner.model)
     assert max(chaos.seen) >= 3  # steps really mixed several k values
+    assert chaos.draining == {False, True}  # LLM.generate: a queue first, then a batch that only drains
     assert_speculated(llm.get_metrics())
     assert llm.get_metrics()["kv_free_blocks"] == 1024
 

@@ -359,3 +359,52 @@ def test_incremental_ngram_index_equals_the_numpy_lookup():
             k = rng.randint(1, 6)
             assert idx.match(k) == lookup_match(np.asarray(tokens, dtype=np.int64), k, min_n, max_n), trial
             tokens.extend(rng.randrange(6) for _ in range(rng.randint(1, 3)))
+
+
+def _drain_controller(alpha: float, per_token: float) -> SpecController:
+    """Target time 10 ms + ``per_token`` per token, cheap draft steps, every draft position accepted with
+    conditional probability ``alpha`` (the prior every request starts from)."""
+    c = SpecController(max_k=4, explore_every=10**6, prior_alpha=alpha)
+    for n in range(1, 41):
+        c.record_target(n, 0.010 + per_token * n)
+    for n in range(1, 9):
+        c.record_draft(n, 0.0001)
+    return c
+
+
+def test_a_draining_batch_drafts_for_its_laggard():
+    """Open batch: every request with good acceptance drafts. Draining batch (offline, nothing waits): only the
+    request that decides when the batch ends drafts; the others would end no sooner."""
+    c = _drain_controller(0.95, 0.0005)
+    reqs = ["r0", "r1", "r2", "r3"]
+    assert all(k > 0 for k in c.choose_ks(reqs))
+    ks = c.choose_ks(reqs, remaining=[30, 40, 25, 31])
+    assert ks[1] > 0 and ks[0] == ks[2] == ks[3] == 0
+    # within max_k + 1 of the longest, a request must accept too for the deeper levels
+    ks = c.choose_ks(reqs, remaining=[30, 40, 38, 10])
+    assert ks[1] > ks[2] > 0 and ks[0] == ks[3] == 0
+    # one request: the same plan as an open batch
+    assert c.choose_ks(["r0"], remaining=[20]) == c.choose_ks(["r0"])
+
+
+def test_a_level_draining_batch_needs_every_request_to_accept():
+    """Eight requests level with each other and moderate acceptance: an open batch drafts (tokens per second
+    rise), a draining one does not (it ends only when all eight advance: 0.6^8 per level)."""
+    c = _drain_controller(0.6, 0.0005)
+    reqs = [f"r{i}" for i in range(8)]
+    assert max(c.choose_ks(reqs)) > 0
+    assert c.choose_ks(reqs, remaining=[40] * 8) == [0] * 8
+    c = _drain_controller(0.99, 0.0001)  # near-certain acceptance and flat costs: drafting all of them pays
+    assert min(c.choose_ks(reqs, remaining=[40] * 8)) > 0
+
+
+def test_a_draining_batch_pays_for_the_drafts_catch_up():
+    """A laggard whose head has a long backlog to read first (it has not drafted for a while) costs that
+    catch-up too: measured per token, it can outweigh what the drafts would save."""
+    c = _drain_controller(0.6, 0.0005)
+    reqs = ["r0", "r1", "r2", "r3"]
+    c.record_catch_up(100, 0.0065)  # 65 us a token
+    assert c.choose_ks(reqs, remaining=[30, 40, 25, 31], backlog=[0, 2, 0, 0])[1] > 0
+    assert c.choose_ks(reqs, remaining=[30, 40, 25, 31], backlog=[0, 400, 0, 0]) == [0, 0, 0, 0]
+    # drafts that cost no model step (prompt lookup) catch up on nothing
+    assert c.choose_ks(reqs, sources=["lookup"] * 4, remaining=[30, 40, 25, 31], backlog=[0, 400, 0, 0])[1] > 0

@@ -75,9 +75,11 @@ def test_greedy_tree_follows_the_argmax_path() -> None:
     logits[0, 5] = 3.0  # the root's argmax: node 1 (token 5)
     logits[2, 4] = 3.0  # node 1's argmax: node 5 (token 4)
     logits[6, 9] = 3.0  # node 5 (a leaf): the bonus token 9
-    assert verify_tree(logits, st(), TOKENS, PARENTS) == ([5, 4, 9], [1, 5])
+    greedy = st(temperature=0.0)
+    assert greedy.params.greedy
+    assert verify_tree(logits, greedy, TOKENS, PARENTS) == ([5, 4, 9], [1, 5])
     logits[0, 5], logits[0, 8] = -5.0, 3.0  # no candidate matches the root's argmax
-    assert verify_tree(logits, st(), TOKENS, PARENTS) == ([8], [])
+    assert verify_tree(logits, greedy, TOKENS, PARENTS) == ([8], [])
 
 
 def test_seeded_tree_sampling_is_reproducible() -> None:

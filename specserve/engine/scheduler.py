@@ -31,6 +31,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._unseen: set[str] = set()  # requests the worker has not been told about yet
         self.num_preemptions = 0
+        # Offline (``LLM.generate``): every request was added before the first step, so once none waits the
+        # running batch only drains (``SchedulerOutput.draining``). A server never sets it.
+        self.closed_batches = False
 
     # -- queue ----------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -160,7 +163,8 @@ class Scheduler:
             ))
             req.resumed = False
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(rows, new_reqs, finished, sum(r.num_tokens for r in rows))
+        return SchedulerOutput(rows, new_reqs, finished, sum(r.num_tokens for r in rows),
+                               self.closed_batches and not self.waiting)
 
     # -- after the step -------------------------------------------------------------------------------------
     def update(self, so: SchedulerOutput, ro: ModelRunnerOutput,

@@ -10,6 +10,12 @@ allocation is a prefix of all (request, position) pairs sorted by ``m``: we try 
 the one with the most tokens per second. ``T_target`` is measured online, a small table by token count over the
 steps actually run; ``T_draft`` per draft step by batch size likewise. Speculation is therefore turned off by
 measurement (large batches make the target compute-bound), never by a fixed batch threshold.
+
+That maximises tokens per second, right for a server whose freed slots are refilled. A draining offline batch
+(``SchedulerOutput.draining``: nothing waits and nothing will arrive) is instead done when its last request
+is, so ``choose_ks`` with ``remaining`` plans for the batch's end (``_drain_plan``): drafts for the requests
+with the most work left, worth what they shorten the batch in expectation, plus, for every other accepted
+token, the share of a step its row costs (that request leaves a step earlier).
 """
 
 from __future__ import annotations
@@ -136,6 +142,7 @@ class SpecController:
         # accepted nodes, whose ratio calibrates the draft's confidence into expected accepted tokens.
         self._tree_pred = 0.0
         self._tree_acc = 0.0
+        self._catch_up = 0.0  # seconds per token a draft spends catching up on a backlog (0: unmeasured)
 
     @property
     def global_rates(self) -> list[float]:
@@ -177,6 +184,11 @@ class SpecController:
         for observer in self.cost_observers:
             observer("target", num_tokens, seconds)
 
+    def record_catch_up(self, tokens: int, seconds: float) -> None:
+        """A draft call that caught up on ``tokens`` of backlog took ``seconds``: the cost per backlog token."""
+        per = seconds / tokens
+        self._catch_up = per if self._catch_up == 0.0 else 0.9 * self._catch_up + 0.1 * per
+
     def record_draft(self, num_reqs: int, seconds_per_step: float) -> None:
         self.draft_cost.add(num_reqs, seconds_per_step)
         for observer in self.cost_observers:
@@ -202,9 +214,12 @@ class SpecController:
         return out
 
     # -- decision -------------------------------------------------------------------------------------------
-    def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[str] | None = None) -> list[int]:
+    def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[str] | None = None,
+                  remaining: list[int] | None = None, backlog: list[int] | None = None) -> list[int]:
         """k per request for the next step of these decoding requests; ``other_tokens`` are prefill tokens
-        sharing the step; ``sources[i]`` is where request i's drafts come from this step (default: one)."""
+        sharing the step; ``sources[i]`` is where request i's drafts come from this step (default: one);
+        ``remaining[i]``: tokens request i has left in a draining batch (None: a server's open batch), and
+        ``backlog[i]`` the tokens its draft must catch up on before drafting (``record_catch_up``)."""
         if not req_ids:
             return []
         if not self.adaptive:
@@ -217,7 +232,8 @@ class SpecController:
             # The cost slope (or the draft's cost) is unknown: measure the other extreme.
             ks = [0 if self.last_k else self.max_k] * len(req_ids)
         else:
-            ks = self._best(req_ids, srcs, other_tokens)
+            ks = self._best(req_ids, srcs, other_tokens) if remaining is None or len(req_ids) == 1 \
+                else self._drain_plan(req_ids, srcs, other_tokens, remaining, backlog or [0] * len(req_ids))
             self._since_explore += 1
             if self._since_explore >= self._explore_gap:  # keep the estimates honest around the optimum
                 self._since_explore = 0
@@ -226,8 +242,14 @@ class SpecController:
                 # doubles each time the model still says "off", and resets once speculation pays again.
                 self._explore_gap = min(self._explore_gap * 2, 64 * self.explore_every) if off \
                     else self.explore_every
-                step = 1 if off or self._step % 2 else -1
-                ks = [min(self.max_k, max(0, k + step)) for k in ks]
+                if off:
+                    # One request drafts one token, in turn: that measures acceptance and T(B + 1) as well as
+                    # all of them would, and a draft model or head first catches up on every token since the
+                    # request last drafted, which at batch 8 made an all-request probe cost most of a step.
+                    ks[self._step % len(ks)] = min(self.max_k, 1)
+                else:
+                    step = 1 if self._step % 2 else -1
+                    ks = [min(self.max_k, max(0, k + step)) for k in ks]
         self.last_k = max(ks)
         return ks
 
@@ -236,6 +258,49 @@ class SpecController:
         pairs = sorted(((m, i) for i, (r, s) in enumerate(zip(req_ids, sources)) for m in self.gains(r, s)),
                        key=lambda x: -x[0])
         return self._best_prefix(pairs, [s in FREE_SOURCES for s in sources], other)
+
+    def _drain_plan(self, req_ids: list[str], sources: list[str], other: int, remaining: list[int],
+                    backlog: list[int]) -> list[int]:
+        """Drafts that maximise how fast a draining batch approaches its end. The batch ends when
+        ``max_i(remaining_i)`` reaches 0; with X_i accepted drafts this step it shrinks by
+        ``sum_l P(remaining_i - X_i <= longest - l for all i)`` beyond the step itself, and request i must have
+        accepted ``l - (longest - remaining_i)`` drafts for level l. Plan j drafts exactly what levels 1..j
+        need (k_i = j - (longest - remaining_i)); its worth is that expected shrink, in steps, plus ``row`` per
+        other accepted token (the share of the step's measured cost one row adds: its request leaves earlier),
+        over the step's predicted time, against 1 step per step without drafts. The plans j = 0 .. max_k are
+        compared as ``_best_prefix`` compares prefixes. A plan also pays for the backlog each newly drafting
+        request's draft must catch up on (as the laggard changes, a head that has not drafted for a request
+        first reads its whole context: about 65 us a token at batch 8 on the demo model). NOTE: with B requests level with each other, a level
+        needs all of them to accept, so moderate acceptance rarely pays at batch 8: the measured chat batch
+        then runs as without speculation instead of paying verification for requests that end no sooner."""
+        b = len(req_ids)
+        gains = [self.gains(r, s) for r, s in zip(req_ids, sources)]
+        free = [s in FREE_SOURCES for s in sources]
+        longest = max(remaining)
+        t_b, t_less = self.target_cost.predict(other + b), self.target_cost.predict(other + b - 1)
+        row = min(max((t_b - t_less) / t_b, 0.0), 1.0) if t_b and t_less is not None else 0.0
+        best, best_rate = [0] * b, self._rate(b, other, 0, 1.0, 0, 0) * (1.0 + self.min_gain)
+        for j in range(1, self.max_k + 1):
+            # drafts beyond a request's last token cannot be proposed (the worker caps k by the room left)
+            ks = [max(0, min(j - (longest - r), len(g), r - 1)) for r, g in zip(remaining, gains)]
+            if not any(ks):
+                continue
+            shrink = 0.0
+            for level in range(1, j + 1):
+                p = 1.0
+                for r, g, k in zip(remaining, gains, ks):
+                    x = level - (longest - r)  # drafts request i must have accepted for this level
+                    if x > 0:
+                        p *= g[x - 1] if x <= k else 0.0
+                shrink += p
+            accepted = sum(sum(g[:k]) for g, k in zip(gains, ks))
+            worth = 1.0 + shrink + row * max(accepted - shrink, 0.0)
+            drafting = [k for k, f in zip(ks, free) if k and not f]
+            rate = self._rate(b, other, sum(ks), worth, max(drafting, default=0), len(drafting),
+                              self._catch_up * sum(n for n, k, f in zip(backlog, ks, free) if k and not f))
+            if rate > best_rate * 1.0001:
+                best, best_rate = ks, rate
+        return best
 
     def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int) -> list[int]:
         """Drafts per request from the prefix of ``pairs`` (worth in expected tokens, request index; by falling
@@ -288,8 +353,9 @@ class SpecController:
                 best = max(best, tokens / t)
         return best
 
-    def _rate(self, b: int, other: int, drafts: int, tokens: float, k_max: int, drafting: int) -> float:
-        t = self.target_cost.predict(other + b + drafts) or 0.0
+    def _rate(self, b: int, other: int, drafts: int, tokens: float, k_max: int, drafting: int,
+              extra: float = 0.0) -> float:
+        t = (self.target_cost.predict(other + b + drafts) or 0.0) + extra
         if k_max:
             t += k_max * (self.draft_cost.predict(drafting) or 0.0)
         return tokens / t if t > 0 and math.isfinite(t) else 0.0

@@ -225,9 +225,12 @@ class Drafter:
             self.source_stats.setdefault(source, SpecStats()).record(num_draft, num_accepted)
         return source or self.spec_config.method or ""
 
-    def propose(self, cands: list[ProposeRequest]) -> dict[str, Draft]:
+    def propose(self, cands: list[ProposeRequest], draining: bool = False) -> dict[str, Draft]:
         """Drafts for the next step. ``cands``: the speculating requests after this step, each with ``k`` the
         most drafts it has room for; the controller picks each one's k within that (0: no drafts).
+        ``draining``: an offline batch that only drains; the controller then plans for the batch's end
+        (``SpecController.choose_ks``' ``remaining``: ``k`` + 1 tokens each; ``backlog``: the features an
+        EAGLE head must catch up on before it drafts).
 
         Structured outputs (``--no-grammar-drafts`` turns this off): where the request's grammar forces the
         next tokens, those are its drafts (free, source "grammar"); a proposer's draft is cut at the first
@@ -239,7 +242,11 @@ class Drafter:
                   if use_grammar and c.state.grammar is not None else [] for c in cands]
         sources = [GRAMMAR_SOURCE if f else proposer.source(c, controller.max_k)
                    for c, f in zip(cands, forced)]
-        ks = controller.choose_ks([c.req_id for c in cands], sources=sources)
+        remaining = backlog = None
+        if draining:
+            remaining = [c.k + 1 for c in cands]
+            backlog = [len(self._features.get(c.req_id) or ()) for c in cands]
+        ks = controller.choose_ks([c.req_id for c in cands], sources=sources, remaining=remaining, backlog=backlog)
         out: dict[str, Draft] = {}
         reqs, req_sources = [], []
         for c, k, source, f in zip(cands, ks, sources, forced):
@@ -262,9 +269,12 @@ class Drafter:
         drafts = proposer.propose(reqs)
         stepped = [r.k for r, s in zip(reqs, req_sources) if s not in FREE_SOURCES]  # drafts costing model steps
         step_cost = draft_step_cost(self._calls, time.perf_counter() - t0, max(stepped, default=1))
-        self._calls = []
         if stepped and self.num_captures() == captures:  # a step that captured a graph is no cost sample
             controller.record_draft(len(stepped), step_cost)
+            rows, tokens, first = self._calls[0] if self._calls else (0, 0, 0.0)
+            if tokens >= 2 * rows > 0:  # the first call caught the draft up on a backlog: its cost per token
+                controller.record_catch_up(tokens, first)
+        self._calls = []
         for r, d, source in zip(reqs, drafts, req_sources):
             if use_grammar and r.state.grammar is not None and d.token_ids and d.parents is None:
                 n = r.state.grammar.valid_prefix(d.token_ids)

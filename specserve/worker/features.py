@@ -49,6 +49,9 @@ class FeatureBuffer:
             self.first, self.chunks = pos, []
         self.chunks.append(h.clone())  # NOTE: a view would keep the step's whole [T, hidden] alive
 
+    def __len__(self) -> int:
+        return sum(c.shape[0] for c in self.chunks)
+
     def take(self) -> tuple[int, torch.Tensor] | None:
         if not self.chunks:
             return None

@@ -262,7 +262,8 @@ class ModelRunner:
         sampled = {r.req_id: em for r, em in zip(sample_rows, emitted)}
         if sink is not None and prenorm is not None:
             sink_features(rows, sampled, prenorm, sink)
-        spec_token_ids, spec_parents = self._propose(sample_rows, emitted) if drafter is not None else ({}, {})
+        spec_token_ids, spec_parents = self._propose(sample_rows, emitted, so.draining) if drafter is not None \
+            else ({}, {})
         return ModelRunnerOutput(sampled, spec_token_ids, logprobs, spec_parents, sources)
 
     @staticmethod
@@ -388,7 +389,7 @@ class ModelRunner:
                 out[r.req_id] = entries
         return out
 
-    def _propose(self, rows: list[ScheduledRequest], emitted: list[list[int]]
+    def _propose(self, rows: list[ScheduledRequest], emitted: list[list[int]], draining: bool
                  ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """The drafter's drafts for the speculating rows, each capped by the room left (max_tokens, context;
         a row without room still counts in the controller's batch), and the parents of those that are trees."""
@@ -401,7 +402,7 @@ class ModelRunner:
                 valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
                 slots = min(room, len(r.block_ids) * self.block_size - len(c.token_ids))
                 cands.append(ProposeRequest(r.req_id, c.token_ids, valid, room, r.block_ids, c.state, slots=slots))
-        drafts = self.drafter.propose(cands) if cands else {}
+        drafts = self.drafter.propose(cands, draining) if cands else {}
         for req_id, d in drafts.items():
             self.requests[req_id].draft_probs = d.probs
         return ({req_id: d.token_ids for req_id, d in drafts.items()},
