@@ -55,14 +55,12 @@ class CpuFusedOps(TorchOps):
     def layer(self, layer: DecoderLayer, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
               rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        weights = _fused_weights(layer, kv_cache)
-        if weights is None:
+        args = _fused_weights(layer, kv_cache)
+        if args is None:
             return super().layer(layer, h, delta, positions, rope, kv_cache, meta, backend)
-        a = layer.attn
         return torch.ops.specserve_cpu.decoder_layer(
-            h, delta, layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps, *weights, positions,
-            rope.cos, rope.sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0, meta.tree_base, meta.tree_mask)
+            h, delta, *args[0], positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping, meta.block_tables,
+            meta.query_start_loc, meta.seq_lens, *args[1], meta.tree_base, meta.tree_mask)
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,29 +87,32 @@ def make_ops(device: torch.device, dtype: torch.dtype, attention_backend: str) -
     return TorchOps()
 
 
-def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[Any, ...] | None:
-    """The matmul weights as ``decoder_layer`` takes them, or None where the layer cannot run as one call
-    (a float weight, chunked norms, q/k norms, a head_dim the attention kernel does not take). Worked out once per
-    layer and kept on it; the identity check notices weights that were loaded again."""
+def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """The layer's arguments as ``decoder_layer`` takes them (those before the positions: norms, eps, the
+    matmul weights; those after the attention metadata: head counts, scale, window), or None where the layer
+    cannot run as one call (a float weight, chunked norms, q/k norms, a head_dim the attention kernel does not
+    take). Worked out once per layer and kept on it; the identity check (plain dict reads: a module attribute
+    read costs about a microsecond, and this runs for every layer of every step) notices weights that were
+    loaded again."""
     from specserve.model.quant import CpuQuantWeight
 
-    a, mlp = layer.attn, layer.mlp
-    cached = layer.__dict__.get("_fused_weights")
-    if cached is not None and cached[0] is a.qkv:
+    cached, attn = layer.__dict__.get("_fused_weights"), layer._modules["attn"]
+    if cached is not None and attn is not None and cached[0] is attn._modules.get("qkv"):
         return cached[1]
+    a, mlp = layer.attn, layer.mlp
     mats: tuple[Any, ...] = (a.qkv, a.o, mlp.gate_up, mlp.down)
     ok = (all(isinstance(w, CpuQuantWeight) for w in mats) and a.q_norm is None and layer.input_norm.chunks == 1
           and a.reduce is None and mlp.reduce is None
           and layer.attn_out_norm is None and isinstance(mlp, GatedMLP) and mlp.act == "silu"
           and layer.post_norm.chunks == 1 and kv_cache.shape[-1] % 8 == 0 and kv_cache.dtype == torch.float32
           and layer.input_norm.eps == layer.post_norm.eps)
-    weights = None
+    args = None
     if ok:
-        parts: list[Any] = []
+        head: list[Any] = [layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps]
         for w in mats:
-            parts += [w.packed, w.scales, w.mins]
+            head += [w.packed, w.scales, w.mins]
             if w is a.qkv:
-                parts.append(a.qkv_bias)
-        weights = tuple(parts)
-    layer.__dict__["_fused_weights"] = (a.qkv, weights)
-    return weights
+                head.append(a.qkv_bias)
+        args = (tuple(head), (a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0))
+    layer.__dict__["_fused_weights"] = (a._modules.get("qkv"), args)
+    return args
