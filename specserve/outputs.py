@@ -49,7 +49,7 @@ class SchedulerOutput:
     finished_req_ids: list[str]  # finished or aborted since the last step: the worker drops their state
     total_tokens: int
     # No request waits and none will arrive (an offline batch draining): what counts is when the last running
-    # request finishes, not tokens per step (the speculation controller weighs requests by remaining work).
+    # request finishes, not tokens per step (the speculation controller then plans for the batch's end).
     draining: bool = False
 
     @property

@@ -164,7 +164,7 @@ def test_fused_decoder_layer_equals_per_op_path(tmp_path, family):
     decode, a 4-token verification, and a layer a float weight keeps on the per-op path) equal the per-op
     path's bit for bit. qwen2 adds the q/k/v bias."""
     from specserve.model.loader import load_checkpoint
-    from specserve.model.ops import _fused_weights
+    from specserve.model.ops import _fused_args
     from specserve.worker.model_runner import build_model
     from tests.helpers import tiny_hf_model
 
@@ -174,7 +174,7 @@ def test_fused_decoder_layer_equals_per_op_path(tmp_path, family):
     layers = model.decoder_layers
     layers[2].mlp.down = DenseWeight(layers[2].mlp.down.dequantize())  # this layer cannot be fused
     kv0 = torch.zeros(model.kv_cache_shape(8, 16))
-    assert _fused_weights(layers[0], kv0) is not None and _fused_weights(layers[2], kv0) is None
+    assert _fused_args(layers[0], kv0) is not None and _fused_args(layers[2], kv0) is None
 
     class PerOp(CpuFusedOps):
         layer = TorchOps.layer

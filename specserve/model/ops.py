@@ -55,7 +55,7 @@ class CpuFusedOps(TorchOps):
     def layer(self, layer: DecoderLayer, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
               rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        args = _fused_weights(layer, kv_cache)
+        args = _fused_args(layer, kv_cache)
         if args is None:
             return super().layer(layer, h, delta, positions, rope, kv_cache, meta, backend)
         return torch.ops.specserve_cpu.decoder_layer(
@@ -87,7 +87,7 @@ def make_ops(device: torch.device, dtype: torch.dtype, attention_backend: str) -
     return TorchOps()
 
 
-def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
     """The layer's arguments as ``decoder_layer`` takes them (those before the positions: norms, eps, the
     matmul weights; those after the attention metadata: head counts, scale, window), or None where the layer
     cannot run as one call (a float weight, chunked norms, q/k norms, a head_dim the attention kernel does not
@@ -96,7 +96,7 @@ def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[A
     loaded again."""
     from specserve.model.quant import CpuQuantWeight
 
-    cached, attn = layer.__dict__.get("_fused_weights"), layer._modules["attn"]
+    cached, attn = layer.__dict__.get("_fused_args"), layer._modules["attn"]
     if cached is not None and attn is not None and cached[0] is attn._modules.get("qkv"):
         return cached[1]
     a, mlp = layer.attn, layer.mlp
@@ -114,5 +114,5 @@ def _fused_weights(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[A
             if w is a.qkv:
                 head.append(a.qkv_bias)
         args = (tuple(head), (a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0))
-    layer.__dict__["_fused_weights"] = (a._modules.get("qkv"), args)
+    layer.__dict__["_fused_args"] = (a._modules.get("qkv"), args)
     return args

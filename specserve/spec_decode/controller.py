@@ -270,9 +270,11 @@ class SpecController:
         over the step's predicted time, against 1 step per step without drafts. The plans j = 0 .. max_k are
         compared as ``_best_prefix`` compares prefixes. A plan also pays for the backlog each newly drafting
         request's draft must catch up on (as the laggard changes, a head that has not drafted for a request
-        first reads its whole context: about 65 us a token at batch 8 on the demo model). NOTE: with B requests level with each other, a level
-        needs all of them to accept, so moderate acceptance rarely pays at batch 8: the measured chat batch
-        then runs as without speculation instead of paying verification for requests that end no sooner."""
+        first reads its whole context: about 65 us a token at batch 8 on the demo model).
+
+        NOTE: with B requests level with each other, a level needs all of them to accept, so moderate
+        acceptance rarely pays at batch 8: the measured chat batch then runs as without speculation instead
+        of paying verification for requests that end no sooner."""
         b = len(req_ids)
         gains = [self.gains(r, s) for r, s in zip(req_ids, sources)]
         free = [s in FREE_SOURCES for s in sources]

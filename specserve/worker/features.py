@@ -44,7 +44,7 @@ class FeatureBuffer:
         self.chunks: list[torch.Tensor] = []
 
     def add(self, pos: int, h: torch.Tensor) -> None:
-        end = self.first + sum(c.shape[0] for c in self.chunks)
+        end = self.first + len(self)
         if not self.chunks or pos != end:  # first chunk, or a restart (preemption, prefix hit)
             self.first, self.chunks = pos, []
         self.chunks.append(h.clone())  # NOTE: a view would keep the step's whole [T, hidden] alive
