@@ -133,6 +133,16 @@ def cpu_has_native_bf16() -> bool:
     return any(check is not None and bool(check()) for check in checks)
 
 
+def cpu_has_vnni() -> bool:
+    """True when the CPU has AVX-512 with VNNI (8-bit dot products, vpdpbusd): the CPU kernels then keep
+    quantized weights in their tiled layout (model/quant.py, CpuQuantWeight). ``SPECSERVE_CPU_TILED=0``
+    keeps the AVX2 row layout (for comparisons)."""
+    if os.environ.get("SPECSERVE_CPU_TILED", "1") == "0":
+        return False
+    checks = (getattr(torch.cpu, "_is_vnni_supported", None), getattr(torch.cpu, "_is_avx512_supported", None))
+    return all(check is not None and bool(check()) for check in checks)
+
+
 # oneDNN's bf16 matmul (torch 2.13, AVX512-BF16) rounds a row the same for any row count from 2 to 256
 # (checked on 230k outputs of every demo-model weight shape) but accumulates differently for a single row
 # (42 of 230k outputs of the 1536-wide down projection differ by an ulp) and, rarely, for 400 rows.

@@ -1,8 +1,10 @@
 """Weight-only quantization (model/quant.py) and the C++ CPU kernels (model/kernels/cpu_kernels.cpp).
 
 - GGUF Q4_0 / Q4_1 / Q8_0 blocks decode to exactly the numbers the gguf package dequantizes them to;
-- the AVX2 matmuls equal a dequantize-then-fp32 reference up to summation order, and a row's result does not
-  depend on the other rows (the property that makes greedy speculation bit-exact on quantized targets);
+- the matmuls, in both weight layouts (rows: AVX2; tiled: AVX-512 VNNI, where the CPU has it), equal a
+  reference that rounds the activations to the same 16-bit grid per group of 32 and multiplies the codes,
+  up to summation order; and a row's result does not depend on the other rows (the
+  property that makes greedy speculation bit-exact on quantized targets);
 - the paged-attention kernel and the fused small ops against their torch references;
 - ``--quantization``'s policy and its errors.
 """
@@ -28,7 +30,7 @@ from specserve.model.quant import (
     make_packer,
     quantize,
 )
-from specserve.platform import detect
+from specserve.platform import cpu_has_vnni, detect
 
 needs_kernels = pytest.mark.skipif(detect("cpu").quant_kernels != "cpu" or not load_cpu_kernels(),
                                    reason="the C++ CPU kernels need an x86 CPU with AVX2 and a C++ compiler")
@@ -67,28 +69,66 @@ def test_quantization_choices_are_validated():
         ModelConfig(quantization="fp4")
 
 
+def _activation_grid(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """x rounded per group of 32 as the kernels round activations: round(x / d) * d, d = max|x| / levels."""
+    g = x.view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / levels)).view_as(x)
+
+
+def _grid_reference(x: torch.Tensor, qt: QuantizedTensor, levels: int) -> torch.Tensor:
+    """The kernels' arithmetic in float64: activations on their grid times the codes, scaled per group; the
+    4-bit min term multiplies the exact sums of x."""
+    m, k = x.shape
+    xg = _activation_grid(x, levels).view(m, -1, 32).double()
+    codes = qt.codes.double().view(qt.shape[0], -1, 32)
+    y = torch.einsum("mgk,ngk,ng->mn", xg, codes, qt.scales.double())
+    if qt.mins is not None:
+        y = y + x.view(m, -1, 32).double().sum(-1) @ qt.mins.double().t()
+    return y.float()
+
+
+LAYOUTS = ["rows"] + (["tiled"] if cpu_has_vnni() else [])
+
+
 @needs_kernels
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("k", [160, 576])  # an odd group count (a lone last group) and the demo's width
-def test_cpu_matmul_matches_reference_and_is_row_invariant(bits, k):
+def test_cpu_matmul_matches_reference_and_is_row_invariant(layout, bits, k):
     torch.manual_seed(0)
-    w = torch.randn(72, k)
+    w = torch.randn(80, k)
     qt = quantize(w, bits)
-    packed = CpuQuantWeight(qt, torch.device("cpu"))
+    packed = CpuQuantWeight(qt, torch.device("cpu"), tiled=layout == "tiled")
+    assert packed.tiled == (layout == "tiled")
     x = torch.randn(23, k)
-    ref = x @ qt.dequantize().t()
     y = packed(x)
-    assert (y - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+    ref = _grid_reference(x, qt, 32512 if packed.tiled else 32767)
+    assert (y - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+    # against unrounded activations: the grid's own error (about 1/65000 of a group's largest value)
+    exact = x @ qt.dequantize().t()
+    assert (y - exact).abs().max().item() < 1e-4 * exact.abs().max().item()
     for m in (1, 2, 5, 8, 9, 17):  # any row tile split: row 0 always gets the same bits
         assert torch.equal(packed(x[:m]), y[:m]), m
     assert torch.equal(packed(x[5:6]), y[5:6])
     # the packed form round-trips to the same codes
     back = packed.unpacked()
     assert torch.equal(back.codes, qt.codes) and torch.equal(back.scales, qt.scales)
+    assert back.mins is None if bits == 8 else torch.equal(back.mins, qt.mins)
     # a wrong nibble order is caught by the reference check above: swap and compare
     if bits == 4:
-        swapped = CpuQuantWeight(QuantizedTensor(4, 15 - qt.codes, qt.scales, qt.mins), torch.device("cpu"))
+        swapped = CpuQuantWeight(QuantizedTensor(4, 15 - qt.codes, qt.scales, qt.mins), torch.device("cpu"),
+                                 tiled=packed.tiled)
         assert (swapped(x) - ref).abs().max().item() > 0.1
+
+
+@needs_kernels
+def test_tiled_layout_needs_a_multiple_of_16_columns():
+    qt = quantize(torch.randn(72, 64), 4)
+    assert not CpuQuantWeight(qt, torch.device("cpu"), tiled=True).tiled  # 72 columns: the row layout
+    if cpu_has_vnni():
+        assert CpuQuantWeight(quantize(torch.randn(80, 64), 8), torch.device("cpu")).tiled
 
 
 @needs_kernels

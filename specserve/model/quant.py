@@ -28,6 +28,7 @@ from specserve.model.kernels import load_cpu_kernels
 log = logging.getLogger("specserve")
 
 GROUP = 32
+TILE = 16  # output columns per tile in the CPU kernels' tiled layout
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 
 
@@ -156,16 +157,36 @@ class _Quantized(PackedWeight):
 
 
 class CpuQuantWeight(_Quantized):
-    """AVX2 kernels (``kernels/cpu_kernels.cpp``): 4-bit codes packed as GGUF's Q4 blocks, 8-bit codes as is.
+    """The C++ CPU kernels (``kernels/cpu_kernels.cpp``), in one of two layouts (``tiled``, by default where
+    ``platform.cpu_has_vnni`` says the CPU has AVX-512 VNNI and the output width is a multiple of 16):
+
+    - rows (AVX2): 4-bit codes packed as GGUF's Q4 blocks, 8-bit codes as is; activations on a 16-bit grid;
+    - tiled (AVX-512 VNNI): tiles of 16 output columns, 4 codes per column per 32-bit lane (vpdpbusd's
+      operand shape); activations on an 8-bit grid, as llama.cpp's quantized dot products round them.
+
     Scales and mins are kept in fp16 when they are fp16 values (GGUF's blocks and ``quantize``'s output
     are): a decode step streams them with the codes, and fp16 makes that a quarter of the bytes instead of
     two fifths."""
 
-    def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
+    def __init__(self, qt: QuantizedTensor, device: torch.device, tiled: bool | None = None) -> None:
         super().__init__(qt, device)
         n, k = qt.shape
-        if qt.bits == 4:  # byte i of a group: code i (low nibble), code i + 16 (high nibble)
-            c = qt.codes.view(n, k // GROUP, 2, GROUP // 2)
+        if tiled is None:
+            from specserve.platform import cpu_has_vnni
+
+            tiled = cpu_has_vnni()
+        self.tiled = tiled and n % TILE == 0
+        g = k // GROUP
+        if self.tiled:  # [n / 16, g, chunks, 16 columns, 4 codes]
+            if qt.bits == 4:  # low nibble: k = 4 j + b of the group, high nibble: 16 + 4 j + b
+                c = qt.codes.view(n // TILE, TILE, g, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+                packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // TILE, g, 256)
+            else:  # + 128: the kernel's unsigned operand
+                c = (qt.codes.to(torch.int16) + 128).to(torch.uint8).view(n // TILE, TILE, g, 8, 4)
+                packed = c.permute(0, 2, 3, 1, 4).reshape(n // TILE, g, 512)
+            self.scales, self.mins = (None if t is None else _tiles(t) for t in (self.scales, self.mins))
+        elif qt.bits == 4:  # byte i of a group: code i (low nibble), code i + 16 (high nibble)
+            c = qt.codes.view(n, g, 2, GROUP // 2)
             packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
         else:
             packed = qt.codes
@@ -178,11 +199,19 @@ class CpuQuantWeight(_Quantized):
 
     def unpacked(self) -> QuantizedTensor:
         n, k = self.shape
-        scales = self.scales.float()
-        mins = None if self.mins is None else self.mins.float()
+        g = k // GROUP
+        scales, mins = (None if t is None else t.float() for t in (self.scales, self.mins))
+        if self.tiled:
+            scales, mins = (None if t is None else t.permute(0, 2, 1).reshape(n, g) for t in (scales, mins))
+            if self.bits == 8:
+                c = self.packed.view(n // TILE, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
+                return QuantizedTensor(8, (c.to(torch.int16) - 128).to(torch.int8), scales, None)
+            b = self.packed.view(n // TILE, g, 4, TILE, 4)
+            codes = torch.stack([b & 0xF, b >> 4], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(n, k)
+            return QuantizedTensor(4, codes, scales, mins)
         if self.bits == 8:
             return QuantizedTensor(8, self.packed, scales, None)
-        b = self.packed.view(n, k // GROUP, GROUP // 2)
+        b = self.packed.view(n, g, GROUP // 2)
         codes = torch.stack([b & 0xF, b >> 4], dim=2).reshape(n, k)
         return QuantizedTensor(4, codes, scales, mins)
 
@@ -190,6 +219,12 @@ class CpuQuantWeight(_Quantized):
         if self.bits == 4:
             return torch.ops.specserve_cpu.q4_mm(x, self.packed, self.scales, self.mins)
         return torch.ops.specserve_cpu.q8_mm(x, self.packed, self.scales)
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[n, g] per-group values -> [n / 16, g, 16]: the tiled layout's scale and min vectors."""
+    n, g = t.shape
+    return t.view(n // TILE, TILE, g).permute(0, 2, 1).contiguous()
 
 
 class TritonQuantWeight(_Quantized):
