@@ -184,7 +184,9 @@ class CpuQuantWeight(_Quantized):
             else:  # + 128: the kernel's unsigned operand
                 c = (qt.codes.to(torch.int16) + 128).to(torch.uint8).view(n // TILE, TILE, g, 8, 4)
                 packed = c.permute(0, 2, 3, 1, 4).reshape(n // TILE, g, 512)
-            self.scales, self.mins = (None if t is None else _tiles(t) for t in (self.scales, self.mins))
+            self.scales = _tiles(self.scales)
+            if self.mins is not None:
+                self.mins = _tiles(self.mins)
         elif qt.bits == 4:  # byte i of a group: code i (low nibble), code i + 16 (high nibble)
             c = qt.codes.view(n, g, 2, GROUP // 2)
             packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
@@ -200,9 +202,11 @@ class CpuQuantWeight(_Quantized):
     def unpacked(self) -> QuantizedTensor:
         n, k = self.shape
         g = k // GROUP
-        scales, mins = (None if t is None else t.float() for t in (self.scales, self.mins))
-        if self.tiled:
-            scales, mins = (None if t is None else t.permute(0, 2, 1).reshape(n, g) for t in (scales, mins))
+        scales = self.scales.float()
+        mins = None if self.mins is None else self.mins.float()
+        if self.tiled:  # [n / 16, g, 16] -> [n, g]
+            scales = scales.permute(0, 2, 1).reshape(n, g)
+            mins = None if mins is None else mins.permute(0, 2, 1).reshape(n, g)
             if self.bits == 8:
                 c = self.packed.view(n // TILE, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
                 return QuantizedTensor(8, (c.to(torch.int16) - 128).to(torch.int8), scales, None)
