@@ -8,7 +8,8 @@ this measures that assumption (docs/architecture.md, "CPU compute dtype").
 
 Per row: median ms of one forward + logits for T = 1, 2, 3, 4, 6, 8 tokens of one request after a context
 of ``--context`` tokens, the ratio to T = 1 (T = 5 is verifying k = 4 drafts), and how many logits of the
-first row differ from the T = 1 run (0 = batch-invariant). Medians over ``--repeats`` interleaved rounds.
+first row differ from the T = 1 run (0 = batch-invariant). Medians over ``--repeats`` interleaved rounds; the
+ratio is the median of the per-round ratios (the machine's speed drifts between rounds).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8)
 
 
 def measure(ckpt, dtype: torch.dtype, quantization: str, prompt: torch.Tensor, ctx: int, table: list[int],
-            repeats: int) -> tuple[dict[int, float], dict[int, int]]:
-    """(median ms per token count, logits of row 0 differing from the 1-token run per token count)."""
+            repeats: int) -> tuple[dict[int, float], dict[int, float], dict[int, int]]:
+    """(median ms per token count, median per-round ratio to the 1-token step, logits of row 0 differing from
+    the 1-token run per token count). The ratio is taken within each round (this machine's speed drifts
+    between rounds) and then the median over rounds."""
     from specserve.model.attention import build_metadata
     from specserve.platform import detect
     from specserve.worker.model_runner import build_model
@@ -48,7 +51,8 @@ def measure(ckpt, dtype: torch.dtype, quantization: str, prompt: torch.Tensor, c
             t0 = time.perf_counter()
             step(t)
             times[t].append(time.perf_counter() - t0)
-    return {t: statistics.median(v) * 1e3 for t, v in times.items()}, diffs
+    ratios = {t: statistics.median(a / b for a, b in zip(v, times[1])) for t, v in times.items()}
+    return {t: statistics.median(v) * 1e3 for t, v in times.items()}, ratios, diffs
 
 
 def main() -> int:
@@ -81,8 +85,8 @@ def main() -> int:
         torch.set_num_threads(n)
         for name in dtypes:
             for quant in args.quantizations.split(","):
-                med, diffs = measure(ckpt, getattr(torch, name), quant, prompt, ctx, table, args.repeats)
-                cells = "".join(f"  {med[t]:6.1f} ({med[t] / med[1]:.2f}) " for t in TOKEN_COUNTS)
+                med, ratio, diffs = measure(ckpt, getattr(torch, name), quant, prompt, ctx, table, args.repeats)
+                cells = "".join(f"  {med[t]:6.1f} ({ratio[t]:.2f}) " for t in TOKEN_COUNTS)
                 print(f"{n:<8}{name:<9}{quant:<6}{cells}  {max(diffs.values())} of {ckpt.arch.vocab_size}",
                       flush=True)
     return 0

@@ -419,6 +419,39 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// out[h] = sum_p w[h][p] V_p * inv[h] for HG heads, 32 dims at a time (4 accumulators per head stay in
+// registers), the rest 8 dims at a time; w[h] is at e + h * stride.
+template <typename KV, int HG>
+void weigh_values(const float* e, int64_t stride, const float* inv, const std::vector<const KV*>& rows,
+                  int64_t v_off, int64_t n, int64_t D, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) {
+    __m256 acc[HG][4];
+    for (int h = 0; h < HG; ++h)
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < n; ++p) {
+      const KV* vrow = rows[p] + v_off + d0;
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = load8(vrow + 8 * j);
+      for (int h = 0; h < HG; ++h) {
+        const __m256 w = _mm256_set1_ps(e[h * stride + p]);
+        for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_fmadd_ps(w, v[j], acc[h][j]);
+      }
+    }
+    for (int h = 0; h < HG; ++h) {
+      const __m256 iv = _mm256_set1_ps(inv[h]);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + h * D + d0 + 8 * j, _mm256_mul_ps(acc[h][j], iv));
+    }
+  }
+  for (; d0 < D; d0 += 8) {
+    for (int h = 0; h < HG; ++h) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t p = 0; p < n; ++p) acc = _mm256_fmadd_ps(_mm256_set1_ps(e[h * stride + p]), load8(rows[p] + v_off + d0), acc);
+      _mm256_storeu_ps(out + h * D + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv[h])));
+    }
+  }
+}
+
 // One (token, KV head): the token at position pos over keys first .. pos; with key_pos (a tree token), key i
 // is the one at chain position key_pos[i] instead of first + i.
 template <typename KV>
@@ -428,16 +461,25 @@ void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int
   const int64_t n = pos + 1 - first, stride = (n + 7) / 8 * 8;
   scores.assign(static_cast<size_t>(per_kv * stride), -INFINITY);
   std::vector<const KV*> rows(static_cast<size_t>(n));  // key first + i's K row (V row: the same offset)
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = key_pos != nullptr ? key_pos[i] : first + i;
-    const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-    rows[i] = k_cache + (slot * H_kv + kvh) * D;
+  if (key_pos != nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = key_pos[i];
+      const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+      rows[i] = k_cache + (slot * H_kv + kvh) * D;
+    }
+  } else {  // block by block: one division per block, not two per key
+    for (int64_t p = first, i = 0; p <= pos;) {
+      const int64_t b = p / block_size, end = std::min(pos + 1, (b + 1) * block_size);
+      const KV* base = k_cache + (static_cast<int64_t>(table[b]) * block_size - b * block_size) * H_kv * D + kvh * D;
+      for (; p < end; ++p, ++i) rows[i] = base + p * H_kv * D;
+    }
   }
   const __m256 vscale = _mm256_set1_ps(scale);
   const int64_t full = n / 8 * 8;
-  for (int h = 0; h < per_kv; ++h) {
-    const float* qh = q + h * D;
-    for (int64_t p = 0; p < full; p += 8) {  // 8 keys at once, reduced together (one hadd tree)
+  // Scores: per block of 8 keys, every head of the group in turn (the block's K rows stay in L1).
+  for (int64_t p = 0; p < full; p += 8) {
+    for (int h = 0; h < per_kv; ++h) {  // 8 keys at once, reduced together (one hadd tree)
+      const float* qh = q + h * D;
       __m256 a[8];
       for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
@@ -449,13 +491,16 @@ void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int
       const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h4, h5, 0x20), _mm256_permute2f128_ps(h4, h5, 0x31));
       _mm256_storeu_ps(scores.data() + h * stride + p, _mm256_mul_ps(sums, vscale));
     }
+  }
+  for (int h = 0; h < per_kv; ++h) {
+    const float* qh = q + h * D;
     for (int64_t p = full; p < n; ++p) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(rows[p] + d), acc);
       scores[h * stride + p] = hsum(acc) * scale;
     }
   }
-  const int64_t v_off = v_cache - k_cache;
+  std::vector<float> inv(static_cast<size_t>(per_kv));
   for (int h = 0; h < per_kv; ++h) {
     float* sh = scores.data() + h * stride;
     __m256 mx = _mm256_set1_ps(-INFINITY);
@@ -470,20 +515,15 @@ void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int
       _mm256_storeu_ps(sh + p, e);
       sum = _mm256_add_ps(sum, e);
     }
-    const float inv = 1.f / hsum(sum);
-    // out_h = sum_p e_p V_p / sum, accumulated in registers 64 dims at a time, keys in order
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int64_t width = std::min<int64_t>(64, D - d0);
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t p = 0; p < n; ++p) {
-        const __m256 w = _mm256_set1_ps(sh[p]);
-        const KV* vrow = rows[p] + v_off + d0;
-        for (int j = 0; j < width / 8; ++j) acc[j] = _mm256_fmadd_ps(w, load8(vrow + 8 * j), acc[j]);
-      }
-      const __m256 iv = _mm256_set1_ps(inv);
-      for (int j = 0; j < width / 8; ++j) _mm256_storeu_ps(out + h * D + d0 + 8 * j, _mm256_mul_ps(acc[j], iv));
-    }
+    inv[h] = 1.f / hsum(sum);
+  }
+  // out_h = sum_p e_p V_p / sum, keys in order, two heads per pass over the V rows (each V row is loaded once
+  // for both; three would spill an accumulator out of AVX2's 16 registers); each output lane's sum is the same
+  // whatever the grouping.
+  const int64_t v_off = v_cache - k_cache;
+  for (int h0 = 0; h0 < per_kv; h0 += 2) {
+    if (per_kv - h0 >= 2) weigh_values<KV, 2>(scores.data() + h0 * stride, stride, inv.data() + h0, rows, v_off, n, D, out + h0 * D);
+    else weigh_values<KV, 1>(scores.data() + h0 * stride, stride, inv.data() + h0, rows, v_off, n, D, out + h0 * D);
   }
 }
 
