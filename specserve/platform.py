@@ -39,8 +39,9 @@ class Platform:
 
     @property
     def quant_kernels(self) -> str | None:
-        """Which weight-only quantized matmuls run here (model/quant.py): "cpu" (AVX2 C++ kernels, x86 with
-        AVX2), "triton" (GPUs of either vendor), or None (weights are dequantized)."""
+        """Which weight-only quantized matmuls run here (model/quant.py): "cpu" (the C++ kernels, x86 with
+        AVX2; in their tiled layout with AVX-512 VNNI, ``cpu_has_vnni``), "triton" (GPUs of either vendor), or
+        None (weights are dequantized)."""
         if self.kind == "cpu":
             return "cpu" if cpu_capability() in ("AVX2", "AVX512") else None
         return "triton" if _triton_available() else None
@@ -84,6 +85,8 @@ class Platform:
             "torch_threads": str(torch.get_num_threads()),
             "quant_kernels": self.quant_kernels or "none (weights dequantized)",
         }
+        if self.quant_kernels == "cpu":
+            info["quant_layout"] = "tiled (AVX-512 VNNI)" if cpu_has_vnni() else "rows (AVX2)"
         if self.kind == "cpu":
             info["cpu_class"] = cpu_class()
         if self.kind == "cuda":
@@ -116,8 +119,10 @@ def cpu_capability() -> str:
 
 
 def cpu_class() -> str:
-    """What benchmarks print: "bf16 hardware (AVX512-BF16/AMX)" or "no bf16 hardware (<capability>)"."""
-    return "bf16 hardware (AVX512-BF16/AMX)" if cpu_has_native_bf16() else f"no bf16 hardware ({cpu_capability()})"
+    """What benchmarks print: "bf16 hardware (AVX512-BF16/AMX)" or "no bf16 hardware (<capability>)", and
+    ", VNNI" where the quantized-matmul kernels use their AVX-512 VNNI (tiled) layout."""
+    base = "bf16 hardware (AVX512-BF16/AMX)" if cpu_has_native_bf16() else f"no bf16 hardware ({cpu_capability()})"
+    return base + (", VNNI" if cpu_has_vnni() else "")
 
 
 def cpu_has_native_bf16() -> bool:

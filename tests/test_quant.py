@@ -123,6 +123,14 @@ def test_cpu_matmul_matches_reference_and_is_row_invariant(layout, bits, k):
         assert (swapped(x) - ref).abs().max().item() > 0.1
 
 
+def test_tiled_layout_is_the_platforms_choice(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CPU_TILED", "0")  # the row layout, for comparisons
+    assert not cpu_has_vnni()
+    assert not CpuQuantWeight(quantize(torch.randn(32, 64), 4), torch.device("cpu")).tiled
+    monkeypatch.delenv("SPECSERVE_CPU_TILED")
+    assert cpu_has_vnni() == (bool(torch.cpu._is_vnni_supported()) and bool(torch.cpu._is_avx512_supported()))
+
+
 @needs_kernels
 def test_tiled_layout_needs_a_multiple_of_16_columns():
     qt = quantize(torch.randn(72, 64), 4)

@@ -706,7 +706,7 @@ def test_demo_model_bf16_bit_exact(method):
 @needs_cpu_kernels
 @pytest.mark.parametrize("method", ["ngram", "eagle", "eagle+lookup"])
 def test_demo_model_quantized_fp32_bit_exact(method):
-    """The same on the demo GGUF kept quantized (--quantization auto) in fp32 with the AVX2 kernels: every
+    """The same on the demo GGUF kept quantized (--quantization auto) in fp32 with the C++ kernels: every
     kernel is row-invariant, so speculative output equals plain output token for token."""
     demo_bit_exact(method, "float32")
 

@@ -9,7 +9,7 @@ for 4 bits, its own min), ``w = scale * code + min``.
 So a quantized GGUF keeps the file's own numbers; float checkpoints are requantized (``quantize``).
 
 The packed weights are ``nn.Module``s with ``forward(x) -> x @ w.T``; which kernels run them is answered by
-``platform.Platform.quant_kernels``: ``cpu`` (AVX2 kernels of ``kernels/cpu_kernels.cpp``, built on first use),
+``platform.Platform.quant_kernels``: ``cpu`` (the x86 kernels of ``kernels/cpu_kernels.cpp``, built on first use),
 ``triton`` (``triton_quant.py``, GPUs of either vendor), or ``None`` (no kernel here: weights dequantized).
 """
 

@@ -1,6 +1,8 @@
-// CPU kernels for x86 (AVX2 + FMA), registered as torch ops specserve_cpu::*: weight-only quantized
-// matmuls, paged attention, and the fused small ops of a decoder layer.
+// CPU kernels for x86 (AVX2 + FMA; the tiled matmuls below also AVX-512 VNNI, compiled for it and called only
+// where the CPU has it), registered as torch ops specserve_cpu::*: weight-only quantized matmuls, paged
+// attention, and the fused small ops of a decoder layer.
 //
+// The row layout (any AVX2 CPU); the tiled layout is described at its kernels.
 // y[M, N] = x[M, K] @ w.T with w stored in groups of 32 along K, as llama.cpp's Q4_1 / Q8_0 store them:
 //   q4: packed [N, K / 2] uint8; in group g of row n, byte i holds code i (low nibble) and code i + 16
 //       (high nibble); w = scale[n, g] * code + min[n, g], code in 0..15.
