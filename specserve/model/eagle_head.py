@@ -129,7 +129,8 @@ class EagleHead(nn.Module):
         if n > 1 and features.shape[-1] == h:
             features = torch.cat([features.new_zeros(*features.shape[:-1], (n - 1) * h), features], dim=-1)
         if self.embed_norm is not None and self.feature_norm is not None:
-            embeds, features = self.embed_norm(embeds), self.feature_norm(features)
+            embeds = self.ops.add_norm(embeds, None, self.embed_norm)[1]
+            features = self.ops.add_norm(features, None, self.feature_norm)[1]
         return self.linear(torch.cat([embeds, features], dim=-1), self.fc, self.fc_bias)
 
     def pack_weights(self, ops: TorchOps) -> bool:

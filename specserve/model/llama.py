@@ -159,11 +159,10 @@ class LlamaModel(nn.Module):
             h, delta = ops.layer(layer, h, delta, positions, rope, kv_cache, meta, self.backend)
             if i in taps:
                 kept.append(h + delta)
-        if delta is not None:
-            h = h + delta
+        h, normed = ops.add_norm(h, delta, self.norm)  # the last delta added, then the final norm
         if not return_prenorm:
-            return self.norm(h)
-        return self.norm(h), (torch.cat(kept, dim=-1) if taps else h)
+            return normed
+        return normed, (torch.cat(kept, dim=-1) if taps else h)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: the (scaled) token embeddings, the first layer's input."""

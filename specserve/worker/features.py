@@ -75,5 +75,6 @@ def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size
             f = torch.cat(feats).to(device=device, dtype=embeds.dtype)  # [T, hidden]
             pred = head(embeds, f, fb.positions, kv, fb.meta)  # [T, hidden]
             last = pred if trees is not None else pred[fb.meta.query_start_loc[1:].long() - 1]  # [B or T, hidden]
-            return head.draft_logits(target.norm(last), target.compute_logits), last
+            normed = target.ops.add_norm(last, None, target.norm)[1]
+            return head.draft_logits(normed, target.compute_logits), last
     return step

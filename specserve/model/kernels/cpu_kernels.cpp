@@ -562,15 +562,21 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ld_table = tables.size(1);
-  at::parallel_for(0, T * H_kv, 1, [&](int64_t i0, int64_t i1) {
+  // One work item: a token's KV group; where there are fewer groups than two per thread (a decode step of one
+  // request), two heads of a group, so the items spread over the threads more evenly.
+  const bool split = per_kv > 2 && T * H_kv < 2 * at::get_num_threads();
+  const int per_item = split ? 2 : per_kv;
+  const int64_t parts = (per_kv + per_item - 1) / per_item;
+  at::parallel_for(0, T * H_kv * parts, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / H_kv, kvh = i % H_kv;
+      const int64_t t = i / (H_kv * parts), kvh = i / parts % H_kv, h0 = kvh * per_kv + i % parts * per_item;
+      const int heads = static_cast<int>(std::min<int64_t>(per_item, (kvh + 1) * per_kv - h0));
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos_of[t] - window + 1) : 0;
       const int64_t* key_pos = tree_keys.empty() || tree_keys[t].empty() ? nullptr : tree_keys[t].data() + first;
-      attend_item<KV>(qp + (t * H + kvh * per_kv) * D, k_cache, v_cache, tp + req_of[t] * ld_table, first,
-                      pos_of[t], kvh, per_kv, D, H_kv, block_size, static_cast<float>(scale),
-                      op + (t * H + kvh * per_kv) * D, scores, key_pos);
+      attend_item<KV>(qp + (t * H + h0) * D, k_cache, v_cache, tp + req_of[t] * ld_table, first,
+                      pos_of[t], kvh, heads, D, H_kv, block_size, static_cast<float>(scale),
+                      op + (t * H + h0) * D, scores, key_pos);
     }
   });
 }
