@@ -563,14 +563,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
   float* op = out.data_ptr<float>();
   const int64_t ld_table = tables.size(1);
   // One work item: a token's KV group; where there are fewer groups than two per thread (a decode step of one
-  // request), two heads of a group, so the items spread over the threads more evenly.
+  // request), two heads of a group, so the items spread over the threads more evenly. Items are numbered KV
+  // head first, so the tokens of a verification that share a KV head's rows mostly run on one thread.
   const bool split = per_kv > 2 && T * H_kv < 2 * at::get_num_threads();
   const int per_item = split ? 2 : per_kv;
   const int64_t parts = (per_kv + per_item - 1) / per_item;
   at::parallel_for(0, T * H_kv * parts, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / (H_kv * parts), kvh = i / parts % H_kv, h0 = kvh * per_kv + i % parts * per_item;
+      const int64_t kvh = i / (T * parts), t = i / parts % T, h0 = kvh * per_kv + i % parts * per_item;
       const int heads = static_cast<int>(std::min<int64_t>(per_item, (kvh + 1) * per_kv - h0));
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos_of[t] - window + 1) : 0;
       const int64_t* key_pos = tree_keys.empty() || tree_keys[t].empty() ? nullptr : tree_keys[t].data() + first;
