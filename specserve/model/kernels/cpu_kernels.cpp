@@ -321,17 +321,23 @@ void tile16(const Rows16& xq, const uint8_t* q, const S* sc, const S* mins, floa
 }
 template <bool kQ4, typename S>
 void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const S* sp, const S* mp, float* yp, int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N / kTile16, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRows16) {
-      switch (std::min<int64_t>(kRows16, M - m0)) {
-        case 1: tile16<kQ4,S,1>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-        case 2: tile16<kQ4,S,2>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-        case 3: tile16<kQ4,S,3>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-        case 4: tile16<kQ4,S,4>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-        case 5: tile16<kQ4,S,5>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-        case 6: tile16<kQ4,S,6>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-        case 7: tile16<kQ4,S,7>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-        default: tile16<kQ4,S,8>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
+  // A thread's tiles in blocks of kTileBlock, each block over every row tile: a block's weights stay in cache
+  // while a long prompt's rows pass (a decode step has one row tile, one pass).
+  constexpr int64_t kTileBlock = 8;
+  at::parallel_for(0, N / kTile16, 1, [&](int64_t t_begin, int64_t t_end) {
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileBlock) {
+      const int64_t t1 = std::min(t_end, t0 + kTileBlock);
+      for (int64_t m0 = 0; m0 < M; m0 += kRows16) {
+        switch (std::min<int64_t>(kRows16, M - m0)) {
+          case 1: tile16<kQ4,S,1>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
+          case 2: tile16<kQ4,S,2>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
+          case 3: tile16<kQ4,S,3>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
+          case 4: tile16<kQ4,S,4>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
+          case 5: tile16<kQ4,S,5>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
+          case 6: tile16<kQ4,S,6>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
+          case 7: tile16<kQ4,S,7>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
+          default: tile16<kQ4,S,8>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
+        }
       }
     }
   });
