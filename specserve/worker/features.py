@@ -35,29 +35,32 @@ def sink_features(rows: list[ScheduledRequest], sampled: dict[str, list[int]], p
 
 
 class FeatureBuffer:
-    """One request's features since its last proposal: contiguous positions ``first ..``."""
+    """One request's features since its last proposal: contiguous positions ``first .. first + count``. The
+    count is kept, not summed over the chunks: a request that does not draft for a while gathers a chunk per
+    step, and the controller reads every buffer's length every step."""
 
-    __slots__ = ("first", "chunks")
+    __slots__ = ("first", "chunks", "count")
 
     def __init__(self) -> None:
         self.first = 0
         self.chunks: list[torch.Tensor] = []
+        self.count = 0
 
     def add(self, pos: int, h: torch.Tensor) -> None:
-        end = self.first + len(self)
-        if not self.chunks or pos != end:  # first chunk, or a restart (preemption, prefix hit)
-            self.first, self.chunks = pos, []
+        if not self.chunks or pos != self.first + self.count:  # first chunk, or a restart (preemption, prefix hit)
+            self.first, self.chunks, self.count = pos, [], 0
         self.chunks.append(h.clone())  # NOTE: a view would keep the step's whole [T, hidden] alive
+        self.count += h.shape[0]
 
     def __len__(self) -> int:
-        return sum(c.shape[0] for c in self.chunks)
+        return self.count
 
     def take(self) -> tuple[int, torch.Tensor] | None:
         if not self.chunks:
             return None
         out = (self.first, torch.cat(self.chunks) if len(self.chunks) > 1 else self.chunks[0])
         self.first += out[1].shape[0]
-        self.chunks = []
+        self.chunks, self.count = [], 0
         return out
 
 
