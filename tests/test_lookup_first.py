@@ -58,12 +58,14 @@ def test_features_of_lookup_steps_stay_buffered_for_the_model_in_order():
     buf = FeatureBuffer()
     for first, n in ((0, 6), (6, 4), (10, 2)):  # two lookup steps, then the model's
         buf.add(*_feats(first, n))
+    assert len(buf) == 12  # the backlog the controller prices
     first, f = buf.take()
-    assert first == 0 and f[:, 0].tolist() == list(range(12))
+    assert first == 0 and f[:, 0].tolist() == list(range(12)) and len(buf) == 0
     buf.add(*_feats(12, 2))
     assert buf.take()[0] == 12  # nothing older left
     buf.add(*_feats(14, 4))
     buf.add(*_feats(30, 2))  # not contiguous (preemption, prefix hit): the newer wins
+    assert len(buf) == 2
     first, f = buf.take()
     assert first == 30 and f.shape[0] == 2
 
