@@ -222,6 +222,18 @@ def test_sources_keep_their_own_acceptance_and_lookup_drafts_are_free():
     assert c.rates("r", "lookup") == c._global_of("lookup")
 
 
+def test_tree_sizes_are_priced_with_the_rest_of_the_batch():
+    """A tree probed by one request of a batch of 32 pays for its nodes at the batch's cost curve: where each
+    row past the batch costs more than its node is worth, fewer nodes (or none) are verified than when the
+    tree is alone in the step."""
+    c = SpecController(max_k=5)
+    for n in range(1, 48):
+        c.record_target(n, 0.006 + 0.0002 * min(n, 8) + 0.0012 * max(n - 8, 0))  # flat to 8 rows, then steep
+    probs = [[0.7, 0.5, 0.3, 0.2, 0.15, 0.1, 0.05, 0.02]]
+    alone, in_batch = c.choose_tree_sizes(probs), c.choose_tree_sizes(probs, other_tokens=31)
+    assert alone == [6] and in_batch == [0], (alone, in_batch)
+
+
 def test_per_request_k_in_one_batch():
     """One request whose drafts are always accepted, one whose drafts never are: only the first drafts."""
     c = SpecController(max_k=4)

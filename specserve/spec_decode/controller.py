@@ -304,13 +304,15 @@ class SpecController:
                 best, best_rate = ks, rate
         return best
 
-    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int) -> list[int]:
+    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int, produced: int = 0
+                     ) -> list[int]:
         """Drafts per request from the prefix of ``pairs`` (worth in expected tokens, request index; by falling
-        worth) that maximises predicted tokens/s; ``free[i]``: request i's drafts cost no draft step."""
+        worth) that maximises predicted tokens/s; ``free[i]``: request i's drafts cost no draft step; ``other``
+        rows share the step, ``produced`` of them yield a token (decode rows; prefill rows yield none)."""
         b = len(free)
         ks = [0] * b
-        best_n, best_rate = 0, self._rate(b, other, 0, float(b), 0, 0) * (1.0 + self.min_gain)
-        tokens, k_max, drafting = float(b), 0, 0
+        best_n, best_rate = 0, self._rate(b, other, 0, float(b + produced), 0, 0) * (1.0 + self.min_gain)
+        tokens, k_max, drafting = float(b + produced), 0, 0
         for n, (m, i) in enumerate(pairs, start=1):
             if m <= 0.0:
                 break
@@ -327,17 +329,18 @@ class SpecController:
             out[i] += 1
         return out
 
-    def choose_tree_sizes(self, probs: list[list[float]]) -> list[int]:
+    def choose_tree_sizes(self, probs: list[list[float]], other_tokens: int = 0) -> list[int]:
         """How many of each request's tree nodes to verify (a prefix of its nodes ranked by draft path
         probability ``probs[i]``, descending; 0 = none). A node is worth its calibrated path probability in
-        expected tokens; a step of T tokens costs the measured ``T_target(T)``: the best prefix over all nodes
-        by falling worth maximises predicted tokens/s, as ``choose_ks`` does for chains. The drafting is
-        already paid for here."""
+        expected tokens; a step of T tokens costs the measured ``T_target(T)``, with ``other_tokens`` the
+        step's rows outside these trees (the rest of a batch): the best prefix over all nodes by falling worth
+        maximises predicted tokens/s, as ``choose_ks`` does for chains. The drafting is already paid for here."""
         if not self.adaptive or self.target_cost.distinct() < 2:
             return [len(p) for p in probs]
         c = self.tree_calibration
         items = sorted(((c * p, i) for i, ps in enumerate(probs) for p in ps), key=lambda x: -x[0])
-        return self._best_prefix(items, [True] * len(probs), 0)
+        # the other rows are decode rows: each yields its token in every plan
+        return self._best_prefix(items, [True] * len(probs), other_tokens, produced=other_tokens)
 
     def best_rate(self, gains: list[float], free: bool) -> float | None:
         """Predicted tokens/s of one request drafting from a source whose draft j adds ``gains[j - 1]``

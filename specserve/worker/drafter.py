@@ -80,6 +80,7 @@ class Drafter:
         # Verification counters per draft source ("" for a one-source proposer, "model", "lookup", "grammar").
         self.source_stats: dict[str, SpecStats] = {}
         self._calls: list[tuple[int, int, float]] = []  # (rows, tokens, seconds) of one proposal's model steps
+        self._other_rows = 0  # rows of the step being proposed that are not model drafts (tree sizes are priced with them)
         self._on_finish: Callable[[list[int], str | None], None] | None = None  # suffix decoding's index
         # Draft trees: the predicted accepted nodes (sum of draft path probabilities) of each tree in flight.
         self._tree_predicted: dict[str, float] = {}
@@ -152,7 +153,7 @@ class Drafter:
             step = self.mirror.wrap("eagle", eagle_step(self.target, self.model, self.kv_caches[0], block_size, device))
             return EagleProposer(self._timed(step), arch.hidden_size * self.model.cfg.num_feature_layers,
                                  arch.vocab_size, spec_config.eagle_topk, spec_config.num_draft_tokens or 0,
-                                 lambda probs: self.controller.choose_tree_sizes(probs))
+                                 lambda probs: self.controller.choose_tree_sizes(probs, self._other_rows))
         if spec_config.method == "layer_skip":
             layers = spec_config.draft_layers or max(1, arch.num_layers // 4)
             if layers >= arch.num_layers:
@@ -264,6 +265,9 @@ class Drafter:
             req_sources.append(source)
         if not reqs:
             return out
+        # the step's rows outside the model's drafts: requests not drafting, and grammar drafts (tree sizes
+        # are priced against the whole step, not as if the trees were alone in it)
+        self._other_rows = len(cands) - len(reqs) + sum(len(d.token_ids) for d in out.values())
         t0, captures = time.perf_counter(), self.num_captures()
         self._calls = []
         drafts = proposer.propose(reqs)
