@@ -162,7 +162,7 @@ class CpuQuantWeight(_Quantized):
 
     - rows (AVX2): 4-bit codes packed as GGUF's Q4 blocks, 8-bit codes as is; activations on a 16-bit grid;
     - tiled (AVX-512 VNNI): tiles of 16 output columns, 4 codes per column per 32-bit lane (vpdpbusd's
-      operand shape); activations on an 8-bit grid, as llama.cpp's quantized dot products round them.
+      operand shape); activations on the same 16-bit grid, split into two bytes per code.
 
     Scales and mins are kept in fp16 when they are fp16 values (GGUF's blocks and ``quantize``'s output
     are): a decode step streams them with the codes, and fp16 makes that a quarter of the bytes instead of

@@ -277,8 +277,8 @@ template <> inline __m512 load16<at::Half>(const at::Half* p) { return _mm512_cv
 
 // Rows m0 .. m0 + R of y, column tiles [t0, t1).
 template <bool kQ4, typename S, int R>
-void tile16(const Rows16& xq, const uint8_t* q, const S* sc, const S* mins, float* y, int64_t N, int64_t K,
-            int64_t m0, int64_t t0, int64_t t1) {
+void tile16(const Rows16& xq, const uint8_t* q, const S* sc, const S* mins, float* y, int64_t N, int64_t m0,
+            int64_t t0, int64_t t1) {
   const int64_t G = xq.G, bytes = kQ4 ? 256 : 512;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
@@ -320,7 +320,7 @@ void tile16(const Rows16& xq, const uint8_t* q, const S* sc, const S* mins, floa
   }
 }
 template <bool kQ4, typename S>
-void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const S* sp, const S* mp, float* yp, int64_t M, int64_t N, int64_t K) {
+void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const S* sp, const S* mp, float* yp, int64_t M, int64_t N) {
   // A thread's tiles in blocks of kTileBlock, each block over every row tile: a block's weights stay in cache
   // while a long prompt's rows pass (a decode step has one row tile, one pass).
   constexpr int64_t kTileBlock = 8;
@@ -329,14 +329,14 @@ void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const S* sp, const S* mp
       const int64_t t1 = std::min(t_end, t0 + kTileBlock);
       for (int64_t m0 = 0; m0 < M; m0 += kRows16) {
         switch (std::min<int64_t>(kRows16, M - m0)) {
-          case 1: tile16<kQ4,S,1>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-          case 2: tile16<kQ4,S,2>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-          case 3: tile16<kQ4,S,3>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-          case 4: tile16<kQ4,S,4>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-          case 5: tile16<kQ4,S,5>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-          case 6: tile16<kQ4,S,6>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-          case 7: tile16<kQ4,S,7>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
-          default: tile16<kQ4,S,8>(xq,qp,sp,mp,yp,N,K,m0,t0,t1); break;
+          case 1: tile16<kQ4,S,1>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
+          case 2: tile16<kQ4,S,2>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
+          case 3: tile16<kQ4,S,3>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
+          case 4: tile16<kQ4,S,4>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
+          case 5: tile16<kQ4,S,5>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
+          case 6: tile16<kQ4,S,6>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
+          case 7: tile16<kQ4,S,7>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
+          default: tile16<kQ4,S,8>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
         }
       }
     }
@@ -356,8 +356,8 @@ at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   const Rows16 xq = quantize_rows16(x.data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  if (half) mm_tiled_rows<kQ4, at::Half>(xq, qp, sc.data_ptr<at::Half>(), mins.has_value() ? mins->data_ptr<at::Half>() : nullptr, y.data_ptr<float>(), M, N, K);
-  else mm_tiled_rows<kQ4, float>(xq, qp, sc.data_ptr<float>(), mins.has_value() ? mins->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K);
+  if (half) mm_tiled_rows<kQ4, at::Half>(xq, qp, sc.data_ptr<at::Half>(), mins.has_value() ? mins->data_ptr<at::Half>() : nullptr, y.data_ptr<float>(), M, N);
+  else mm_tiled_rows<kQ4, float>(xq, qp, sc.data_ptr<float>(), mins.has_value() ? mins->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N);
   return y;
 }
 
@@ -469,18 +469,10 @@ void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int
   const int64_t n = pos + 1 - first, stride = (n + 7) / 8 * 8;
   scores.assign(static_cast<size_t>(per_kv * stride), -INFINITY);
   std::vector<const KV*> rows(static_cast<size_t>(n));  // key first + i's K row (V row: the same offset)
-  if (key_pos != nullptr) {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t p = key_pos[i];
-      const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-      rows[i] = k_cache + (slot * H_kv + kvh) * D;
-    }
-  } else {  // block by block: one division per block, not two per key
-    for (int64_t p = first, i = 0; p <= pos;) {
-      const int64_t b = p / block_size, end = std::min(pos + 1, (b + 1) * block_size);
-      const KV* base = k_cache + (static_cast<int64_t>(table[b]) * block_size - b * block_size) * H_kv * D + kvh * D;
-      for (; p < end; ++p, ++i) rows[i] = base + p * H_kv * D;
-    }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = key_pos != nullptr ? key_pos[i] : first + i;
+    const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+    rows[i] = k_cache + (slot * H_kv + kvh) * D;
   }
   const __m256 vscale = _mm256_set1_ps(scale);
   const int64_t full = n / 8 * 8;
