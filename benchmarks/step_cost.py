@@ -6,7 +6,7 @@ this measures that assumption (docs/architecture.md, "CPU compute dtype").
     .venv/bin/python benchmarks/step_cost.py          # demo model; float32 (+ bfloat16 with bf16 hardware)
     .venv/bin/python benchmarks/step_cost.py --model PATH --context 1000 --dtypes bfloat16 --quantizations int4
 
-Per row: median ms of one forward + logits for T = 1, 2, 3, 4, 6, 8 tokens of one request after a context
+Per row: median ms of one forward + logits for T = 1 .. 8 tokens of one request after a context
 of ``--context`` tokens, the ratio to T = 1 (T = 5 is verifying k = 4 drafts), and how many logits of the
 first row differ from the T = 1 run (0 = batch-invariant). Medians over ``--repeats`` interleaved rounds; the
 ratio is the median of the per-round ratios (the machine's speed drifts between rounds).
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8)
+TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def measure(ckpt, dtype: torch.dtype, quantization: str, prompt: torch.Tensor, ctx: int, table: list[int],
