@@ -176,7 +176,11 @@ def test_acceptance_per_position():
     c = SpecController(max_k=4, prior_alpha=0.6, prior_weight=2.0)
     assert c.rates("r") == [0.6] * 4
     c.record_acceptance("r", 4, 2)  # drafts 1, 2 accepted, 3 rejected, 4 never verified
-    g = [0.95 * 0.6 + 0.05, 0.95 * 0.6 + 0.05, 0.95 * 0.6, 0.6]
+    # the global prior: each position's counts over the position before it (2 pseudo-observations)
+    g1 = (1 + 2 * 0.6) / 3
+    g2 = (1 + 2 * g1) / 3
+    g3 = (0 + 2 * g2) / 3
+    g = [g1, g2, g3, g3]  # position 4 was never verified: it follows position 3
     assert c.global_rates == pytest.approx(g)
     assert c.rates("r") == pytest.approx([(1 + 2 * g[0]) / 3, (1 + 2 * g[1]) / 3, (0 + 2 * g[2]) / 3, g[3]])
     before = c.rates("r")
@@ -187,6 +191,23 @@ def test_acceptance_per_position():
     c.drop("r")
     # A forgotten (or new) request starts from the recent acceptance over all requests.
     assert c.rates("r") == c.global_rates
+
+
+def test_untried_positions_follow_the_one_before():
+    """A source accepted 19 times in 20 at k = 3 (positions 4, 5 never verified) with a verification cost that
+    pays for more: its fourth and fifth drafts are priced like its third, so the controller tries them. With a
+    flat prior (0.6 for an unseen position) k stayed at 3 for good: never tried, never measured."""
+    c = SpecController(max_k=5, explore_every=10**6)
+    for n in range(1, 7):
+        c.record_target(n, 0.006 + 0.0006 * (n - 1))
+    for i in range(40):
+        c.record_acceptance("r", 3, 3 if i % 20 else 0, "lookup")
+    g = c._global_of("lookup")
+    assert g[0] > 0.9 and g[3] == pytest.approx(g[2]) and g[4] == pytest.approx(g[2])
+    assert c.choose_ks(["r"], sources=["lookup"]) == [5]
+    for _ in range(40):  # the deeper drafts turn out to fail: measured, they are priced as they are
+        c.record_acceptance("r", 5, 3, "lookup")
+    assert c.rates("r", "lookup")[3] < 0.2 and c.choose_ks(["r"], sources=["lookup"]) == [3]
 
 
 def test_bursty_acceptance_drafts_deeper_than_iid():

@@ -134,9 +134,10 @@ class SpecController:
         self._step = 0
         self._since_explore = 0
         self._explore_gap = explore_every
-        # Conditional acceptance per position over all recent passes, per source: the prior of every
-        # request's estimate (a new request starts from it).
-        self._global: dict[str, list[float]] = {"": [prior_alpha] * max(1, max_k)}
+        # Conditional acceptance per position over all recent passes, per source (decayed counts, and the
+        # rates they give, cached): the prior of every request's estimate (a new request starts from it).
+        self._global: dict[str, Acceptance] = {}
+        self._global_rates: dict[str, list[float]] = {}
         self.last_k = max_k  # the largest k of the last step (the `spec_decode_k` gauge)
         # Draft trees: decayed sums of predicted (draft path probabilities of the verified nodes) and
         # accepted nodes, whose ratio calibrates the draft's confidence into expected accepted tokens.
@@ -149,25 +150,41 @@ class SpecController:
         return self._global_of("")
 
     def _global_of(self, source: str) -> list[float]:
-        g = self._global.get(source)
-        if g is None:
-            g = self._global[source] = [self.prior_alpha] * max(1, self.max_k)
-        return g
+        """The prior c_1..c_K of a source: each position's decayed counts over all requests, on top of the
+        position before it (position 1: ``prior_alpha``), with ``prior_weight`` pseudo-observations.
+
+        NOTE: a position is only observed when the controller drafts that deep, and it drafts that deep only
+        when the position looks worth it. A flat prior (0.6 for every position) kept an n-gram source that
+        was accepted 95% of the time at k = 3: its fourth and fifth drafts stayed near 0.6, so they never
+        looked worth verifying and were never tried. Chained, an untried position is assumed to do as the
+        one before it did, and the first passes that draft it correct that."""
+        rates = self._global_rates.get(source)
+        if rates is None:
+            g = self._global.get(source)
+            w, prev, rates = self.prior_weight, self.prior_alpha, []
+            for j in range(max(1, self.max_k)):
+                a, t = (g.acc[j], g.tried[j]) if g is not None else (0.0, 0.0)
+                prev = (a + w * prev) / (t + w)
+                rates.append(prev)
+            self._global_rates[source] = rates
+        return rates
 
     # -- measurements ---------------------------------------------------------------------------------------
     def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int, source: str = "") -> None:
         """One verification pass: num_accepted of num_draft drafts accepted (it stops at the first rejection)."""
         if num_draft <= 0:
             return
-        g = self._global_of(source)
-        k = len(g)
+        k = max(1, self.max_k)
         per = self._acc.setdefault(req_id, {})
         acc = per.get(source)
         if acc is None:
             acc = per[source] = Acceptance(k)
         acc.observe(num_draft, num_accepted, decay=0.8)
-        for j in range(min(num_draft, num_accepted + 1, k)):
-            g[j] = 0.95 * g[j] + 0.05 * (1.0 if j < num_accepted else 0.0)
+        g = self._global.get(source)
+        if g is None:
+            g = self._global[source] = Acceptance(k)
+        g.observe(num_draft, num_accepted, decay=0.95)
+        self._global_rates.pop(source, None)
 
     def record_tree(self, predicted: float, accepted: int) -> None:
         """One verified tree: the sum of its nodes' draft path probabilities, and its accepted path's length."""
