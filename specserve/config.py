@@ -102,6 +102,7 @@ class ModelArch:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # model/quant.py
+KV_CACHE_DTYPES = DTYPES
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,10 @@ class CacheConfig:
         "KV cache size: bytes (> 1) or a fraction of free memory (<= 1); default: a platform default"))
     num_blocks: int | None = field(default=None, metadata=flag("KV cache size as a block count",
                                                                 cli="--num-kv-blocks"))
+    kv_cache_dtype: str = field(default="auto", metadata=flag(
+        "KV cache dtype: auto = float16 on the C++ CPU attention with fp32 compute, else the compute dtype; "
+        "float16 / bfloat16 halve the cache's memory and the bytes attention reads per step",
+        choices=KV_CACHE_DTYPES))
     enable_prefix_caching: bool = field(default=True, metadata=flag(
         "prefix caching", positive=False, negative="--no-prefix-caching"))
     # On a GPU without kv_cache_memory / num_blocks: the KV cache gets this fraction of the device memory

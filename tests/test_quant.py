@@ -160,7 +160,7 @@ def test_cpu_weights_keep_fp16_scales_when_exact(bits):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_paged_attention_matches_torch_reference(kv_dtype):
     torch.manual_seed(0)
     bs, heads, kv_heads, d = 16, 6, 2, 32
@@ -168,10 +168,10 @@ def test_cpu_paged_attention_matches_torch_reference(kv_dtype):
     q_lens, seq_lens = [1, 5, 37, 1, 3], [300, 120, 37, 17, 3]
     tables = [(torch.randperm(39)[: -(-s // bs)] + 1).tolist() for s in seq_lens]
     meta = build_metadata(q_lens, seq_lens, tables, bs)
-    q = torch.randn(sum(q_lens), heads, d).to(kv_dtype)
+    q = torch.randn(sum(q_lens), heads, d).to(torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32)
     ref = TorchAttention().attend(q, kv, meta, d ** -0.5).float()
     out = CpuKernelAttention().attend(q, kv, meta, d ** -0.5).float()
-    tol = 1e-5 if kv_dtype == torch.float32 else 2e-2
+    tol = 2e-2 if kv_dtype == torch.bfloat16 else 1e-5
     assert (ref - out).abs().max().item() < tol
     # row invariance: each request alone gives the same rows as the mixed batch
     start = 0
@@ -203,6 +203,12 @@ def test_fused_ops_match_torch_ops():
           for ops, cache in zip((TorchOps(), CpuFusedOps()), caches)]
     assert (qs[0] - qs[1]).abs().max().item() < 1e-5
     assert (caches[0] - caches[1]).abs().max().item() < 1e-5
+    # a 16-bit cache (--kv-cache-dtype) holds the fp32 cache's values rounded once, to nearest even
+    for half in (torch.float16, torch.bfloat16):
+        cache = torch.zeros(2, 5, 16, kv_heads, d, dtype=half)
+        q = CpuFusedOps().qkv_rope_write(qkv, positions, rope, heads, kv_heads, cache, meta, TorchAttention())
+        assert torch.equal(q, qs[1])
+        assert torch.equal(cache, caches[1].to(half))
 
 
 @needs_kernels

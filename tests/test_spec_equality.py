@@ -165,11 +165,11 @@ _RUNS: dict[tuple, Run] = {}
 
 
 def engine_args(bs: int, method: str | None, k: int, paths: Tiny, num_blocks: int = 1024,
-                max_num_batched_tokens: int = 2048, dtype: str = "float32", quantization: str = "auto"
-                ) -> dict[str, Any]:
+                max_num_batched_tokens: int = 2048, dtype: str = "float32", quantization: str = "auto",
+                kv_cache_dtype: str = "auto") -> dict[str, Any]:
     args: dict[str, Any] = dict(dtype=dtype, device="cpu", block_size=16, num_blocks=num_blocks,
                                 max_num_seqs=bs, max_num_batched_tokens=max_num_batched_tokens,
-                                quantization=quantization)
+                                quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     if method is not None:
         args.update(speculative_method=method, num_speculative_tokens=k, speculative_adaptive=False)
         if method == "layer_skip":
@@ -183,11 +183,12 @@ def engine_args(bs: int, method: str | None, k: int, paths: Tiny, num_blocks: in
 
 def run(tiny: dict[str, Tiny], family: str, bs: int, method: str | None = None, k: int = 0,
         num_blocks: int = 1024, max_num_batched_tokens: int = 2048, dtype: str = "float32",
-        quantization: str = "auto") -> Run:
+        quantization: str = "auto", kv_cache_dtype: str = "auto") -> Run:
     """All PROMPTS submitted at once, greedy; memoised per configuration (the references are shared)."""
-    key = (family, bs, method, k, num_blocks, max_num_batched_tokens, dtype, quantization)
+    key = (family, bs, method, k, num_blocks, max_num_batched_tokens, dtype, quantization, kv_cache_dtype)
     if key not in _RUNS:
-        args = engine_args(bs, method, k, tiny[family], num_blocks, max_num_batched_tokens, dtype, quantization)
+        args = engine_args(bs, method, k, tiny[family], num_blocks, max_num_batched_tokens, dtype, quantization,
+                           kv_cache_dtype)
         llm = LLM(tiny[family].target, **args)
         outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
         _RUNS[key] = Run(llm, [o.outputs[0].token_ids for o in outs], llm.get_metrics())
@@ -430,6 +431,24 @@ def test_quantized_cpu_batch_invariant_preemption_chunked_prefill(tiny):
     pre = run(tiny, "qwen2", 8, "draft", 4, num_blocks=PREEMPT_BLOCKS, quantization="int4")
     assert pre.metrics["num_preemptions"] > 0
     assert pre.token_ids == ref.token_ids
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_half_kv_cache_greedy_bit_exact(tiny, kv_dtype):
+    """A 16-bit KV cache (--kv-cache-dtype) under the fused CPU layer: the cache holds what the fp32 run would
+    have written, rounded once; speculation and batching then reproduce plain decoding token for token."""
+    ref = run(tiny, "llama", 8, quantization="int4", kv_cache_dtype=kv_dtype)
+    assert ref.llm.engine.runner.kv_caches[0].dtype == getattr(torch, kv_dtype)
+    assert run(tiny, "llama", 1, quantization="int4", kv_cache_dtype=kv_dtype).token_ids == ref.token_ids
+    for method, k in (("ngram", 5), ("draft", 3)):
+        out = run(tiny, "llama", 8, method, k, quantization="int4", kv_cache_dtype=kv_dtype)
+        assert out.token_ids == ref.token_ids, method
+        assert_speculated(out.metrics)
+    # the cache's rounding moves the logits a little, not the model: most outputs match the fp32 cache's
+    fp32 = run(tiny, "llama", 8, quantization="int4")
+    same = sum(a == b for a, b in zip(fp32.token_ids, ref.token_ids))
+    assert same >= len(PROMPTS) // 2, f"{same} of {len(PROMPTS)} outputs equal the fp32 cache's"
 
 
 def test_layer_skip_equals_truncated_draft(tiny):

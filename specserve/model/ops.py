@@ -87,6 +87,9 @@ def make_ops(device: torch.device, dtype: torch.dtype, attention_backend: str) -
     return TorchOps()
 
 
+_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the C++ attention's caches
+
+
 def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
     """The layer's arguments as ``decoder_layer`` takes them (those before the positions: norms, eps, the
     matmul weights; those after the attention metadata: head counts, scale, window), or None where the layer
@@ -104,7 +107,7 @@ def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[Any,
     ok = (all(isinstance(w, CpuQuantWeight) for w in mats) and a.q_norm is None and layer.input_norm.chunks == 1
           and a.reduce is None and mlp.reduce is None
           and layer.attn_out_norm is None and isinstance(mlp, GatedMLP) and mlp.act == "silu"
-          and layer.post_norm.chunks == 1 and kv_cache.shape[-1] % 8 == 0 and kv_cache.dtype == torch.float32
+          and layer.post_norm.chunks == 1 and kv_cache.shape[-1] % 8 == 0 and kv_cache.dtype in _KV_DTYPES
           and layer.input_norm.eps == layer.post_norm.eps)
     args = None
     if ok:

@@ -26,7 +26,7 @@ from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear, quantizes
 from specserve.model.tensor_parallel import Comm, TensorParallel
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from specserve.platform import Platform, resolve_dtype, to_device
+from specserve.platform import Platform, resolve_dtype, resolve_kv_dtype, to_device
 from specserve.sample.grammar import GrammarState
 from specserve.sample.rejection_sampler import verify, verify_tree
 from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits, row_starts
@@ -89,8 +89,10 @@ class ModelRunner:
         self.platform = platform
         self.device = platform.device
         self.dtype = resolve_dtype(platform, config.model.dtype, quantizes(config.model.quantization, target.state_dict))
-        log.info("compute dtype: %s (%s on %s)", str(self.dtype).removeprefix("torch."),
-                 "--dtype auto" if config.model.dtype == "auto" else "--dtype", platform.kind)
+        self.kv_dtype = resolve_kv_dtype(platform, config.cache.kv_cache_dtype, self.dtype)
+        log.info("compute dtype: %s (%s on %s), KV cache %s", str(self.dtype).removeprefix("torch."),
+                 "--dtype auto" if config.model.dtype == "auto" else "--dtype", platform.kind,
+                 str(self.kv_dtype).removeprefix("torch."))
         self.arch = target.arch
         self.max_model_len = config.model.max_model_len or target.arch.max_position_embeddings
         self.block_size = config.cache.block_size
@@ -134,7 +136,7 @@ class ModelRunner:
         for m in (self.model, self.drafter.model if self.drafter is not None else None):
             if m is not None:
                 shape = m.kv_cache_shape(1, 1)
-                per += m.arch.num_layers * math.prod(shape) * self.dtype.itemsize
+                per += m.arch.num_layers * math.prod(shape) * self.kv_dtype.itemsize
         return per * self.block_size
 
     def _num_blocks(self) -> int:
@@ -184,7 +186,7 @@ class ModelRunner:
         num_blocks = self.num_blocks + (1 if self.graph_plan is not None else 0)
         shape = model.kv_cache_shape(num_blocks, self.block_size)
         # zeros, not empty: padded reads of unused slots must never see NaN/Inf garbage.
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model.arch.num_layers)]
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(model.arch.num_layers)]
 
     def set_feature_layers(self, layers: tuple[int, ...] | None) -> None:
         """The target layers (1-based) whose outputs are concatenated into the features a feature sink

@@ -409,11 +409,14 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 inline float load_f(const float* p) { return *p; }
 inline float load_f(const at::BFloat16* p) { return static_cast<float>(*p); }
 
+inline float load_f(const at::Half* p) { return static_cast<float>(*p); }
+
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32: the 16 bits become the high half
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // exp(x) for 8 floats (Cephes-style: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial for e^r, 2^n
 // through the exponent bits); relative error about 2e-7, exp(-inf) = 0. Softmax arguments are <= 0.
@@ -435,10 +438,10 @@ inline __m256 exp8(__m256 x) {
 }
 
 // out[h] = sum_p w[h][p] V_p * inv[h] for HG heads, 32 dims at a time (4 accumulators per head stay in
-// registers), the rest 8 dims at a time; w[h] is at e + h * stride.
+// registers), the rest 8 dims at a time; w[h] is at e + h * stride, V_p at rows[p] + v_off.
 template <typename KV, int HG>
-void weigh_values(const float* e, int64_t stride, const float* inv, const std::vector<const KV*>& rows,
-                  int64_t v_off, int64_t n, int64_t D, float* out) {
+void weigh_values(const float* e, int64_t stride, const float* inv, const KV* const* rows, int64_t v_off,
+                  int64_t n, int64_t D, float* out) {
   int64_t d0 = 0;
   for (; d0 + 32 <= D; d0 += 32) {
     __m256 acc[HG][4];
@@ -467,31 +470,37 @@ void weigh_values(const float* e, int64_t stride, const float* inv, const std::v
   }
 }
 
-// One (token, KV head): the token at position pos over keys first .. pos; with key_pos (a tree token), key i
-// is the one at chain position key_pos[i] instead of first + i.
+// Keys per partial softmax (a multiple of 8). A row's keys are cut into chunks of kChunk from its first key;
+// each chunk gives, per head, its max score m, its sum of exp(score - m) l and its unnormalized output
+// o = sum exp(score - m) V, and the row's output is the chunks merged in order. The cut depends only on the
+// row's own key count, so a row's result is the same in any batch, chunking or thread count; a row with at
+// most kChunk keys has one chunk and its output is o / l, as a single softmax.
+//
+// Why chunks: a decode step of one request has one row, and its keys are the work to share between threads
+// (flash-decoding). A chunk is all heads over consecutive cache slots, so it reads the slots' K and V rows
+// (every KV head's, contiguous in the cache) front to back. One work item per (row, KV head) read a third of
+// each slot's bytes at a stride, which ran at 9-10 GB/s on the 2-core EPYC against 15-19 for contiguous rows.
+constexpr int64_t kChunk = 64;
+
+// One chunk of one row: keys rows[0 .. n) (slot bases: KV head g's K row at + g * D, its V row at + v_off),
+// all H heads (q [H, D]). Writes o [H, D], m [H], l [H]; ``scores`` is scratch.
 template <typename KV>
-void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int32_t* table, int64_t first,
-                 int64_t pos, int64_t kvh, int per_kv, int64_t D, int64_t H_kv, int64_t block_size, float scale,
-                 float* out, std::vector<float>& scores, const int64_t* key_pos = nullptr) {
-  const int64_t n = pos + 1 - first, stride = (n + 7) / 8 * 8;
-  scores.assign(static_cast<size_t>(per_kv * stride), -INFINITY);
-  std::vector<const KV*> rows(static_cast<size_t>(n));  // key first + i's K row (V row: the same offset)
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = key_pos != nullptr ? key_pos[i] : first + i;
-    const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-    rows[i] = k_cache + (slot * H_kv + kvh) * D;
-  }
+void attend_chunk(const float* q, const KV* const* rows, int64_t n, int64_t v_off, int H, int H_kv, int64_t D,
+                  float scale, float* o, float* m, float* l, std::vector<float>& scores) {
+  const int per_kv = H / H_kv;
+  const int64_t stride = (n + 7) / 8 * 8, full = n / 8 * 8;
+  scores.assign(static_cast<size_t>(H * stride), -INFINITY);
   const __m256 vscale = _mm256_set1_ps(scale);
-  const int64_t full = n / 8 * 8;
-  // Scores: per block of 8 keys, every head of the group in turn (the block's K rows stay in L1).
+  // Scores: per block of 8 keys, every head in turn (the block's K rows, all KV heads, stay in L1).
   for (int64_t p = 0; p < full; p += 8) {
-    for (int h = 0; h < per_kv; ++h) {  // 8 keys at once, reduced together (one hadd tree)
+    for (int h = 0; h < H; ++h) {  // 8 keys at once, reduced together (one hadd tree)
       const float* qh = q + h * D;
+      const int64_t g = (h / per_kv) * D;
       __m256 a[8];
       for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qh + d);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(rows[p + j] + d), a[j]);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(rows[p + j] + g + d), a[j]);
       }
       const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
       const __m256 h5 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -499,38 +508,66 @@ void attend_item(const float* q, const KV* k_cache, const KV* v_cache, const int
       _mm256_storeu_ps(scores.data() + h * stride + p, _mm256_mul_ps(sums, vscale));
     }
   }
-  for (int h = 0; h < per_kv; ++h) {
+  for (int h = 0; h < H; ++h) {
     const float* qh = q + h * D;
+    const int64_t g = (h / per_kv) * D;
     for (int64_t p = full; p < n; ++p) {
       __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(rows[p] + d), acc);
+      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(rows[p] + g + d), acc);
       scores[h * stride + p] = hsum(acc) * scale;
     }
   }
-  std::vector<float> inv(static_cast<size_t>(per_kv));
-  for (int h = 0; h < per_kv; ++h) {
+  for (int h = 0; h < H; ++h) {
     float* sh = scores.data() + h * stride;
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t p = 0; p < stride; p += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sh + p));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    m[h] = _mm_cvtss_f32(m4);
+    const __m256 mv = _mm256_set1_ps(m[h]);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t p = 0; p < stride; p += 8) {  // padding holds -inf: exp gives 0
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + p), m));
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + p), mv));
       _mm256_storeu_ps(sh + p, e);
       sum = _mm256_add_ps(sum, e);
     }
-    inv[h] = 1.f / hsum(sum);
+    l[h] = hsum(sum);
   }
-  // out_h = sum_p e_p V_p / sum, keys in order, two heads per pass over the V rows (each V row is loaded once
-  // for both; three would spill an accumulator out of AVX2's 16 registers); each output lane's sum is the same
-  // whatever the grouping.
-  const int64_t v_off = v_cache - k_cache;
-  for (int h0 = 0; h0 < per_kv; h0 += 2) {
-    if (per_kv - h0 >= 2) weigh_values<KV, 2>(scores.data() + h0 * stride, stride, inv.data() + h0, rows, v_off, n, D, out + h0 * D);
-    else weigh_values<KV, 1>(scores.data() + h0 * stride, stride, inv.data() + h0, rows, v_off, n, D, out + h0 * D);
+  // o_h = sum_p e_p V_p, keys in order, two heads of a KV group per pass over its V rows (each V row is
+  // loaded once for both; three would spill an accumulator out of AVX2's 16 registers); each output lane's
+  // sum is the same whatever the grouping.
+  const float ones[2] = {1.f, 1.f};
+  for (int h0 = 0; h0 < H;) {
+    const int64_t voff = v_off + (h0 / per_kv) * D;
+    const bool pair = h0 + 1 < H && (h0 + 1) / per_kv == h0 / per_kv;
+    if (pair) weigh_values<KV, 2>(scores.data() + h0 * stride, stride, ones, rows, voff, n, D, o + h0 * D);
+    else weigh_values<KV, 1>(scores.data() + h0 * stride, stride, ones, rows, voff, n, D, o + h0 * D);
+    h0 += pair ? 2 : 1;
+  }
+}
+
+// A row's output from its chunks' partials (in chunk order): out_h = sum_c f_c o_c / sum_c f_c l_c with
+// f_c = exp(m_c - max_c m_c). One chunk: f = 1, out = o / l.
+inline void merge_chunks(const float* part, int64_t chunks, int H, int64_t D, float* out) {
+  const int64_t per = H * (D + 2);  // a chunk's partial: o [H, D], then m [H], l [H]
+  for (int h = 0; h < H; ++h) {
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part[c * per + H * D + h]);
+    float denom = 0.f;
+    float* oh = out + h * D;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* pc = part + c * per;
+      const float f = chunks == 1 ? 1.f : std::exp(pc[H * D + h] - mx);
+      denom += f * pc[H * D + H + h];
+      const __m256 fv = _mm256_set1_ps(f);
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_mul_ps(fv, _mm256_loadu_ps(pc + h * D + d));
+        _mm256_storeu_ps(oh + d, c == 0 ? x : _mm256_add_ps(_mm256_loadu_ps(oh + d), x));
+      }
+    }
+    const __m256 iv = _mm256_set1_ps(1.f / denom);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(oh + d, _mm256_mul_ps(_mm256_loadu_ps(oh + d), iv));
   }
 }
 
@@ -540,13 +577,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
                     const int64_t* tree_base, const int64_t* tree_mask, at::Tensor& out) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = kv.size(2), H_kv = kv.size(3), R = seq_lens.size(0);
-  const int per_kv = static_cast<int>(H / H_kv);
   const KV* k_cache = kv.data_ptr<KV>();
-  const KV* v_cache = k_cache + kv.stride(0);
+  const int64_t v_off = kv.stride(0);
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* qs = qsl.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  std::vector<int64_t> req_of(T), pos_of(T);
+  const int64_t ld_table = tables.size(1);
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(block_size));  // a power of two
+  const int64_t bmask = block_size - 1;
+  std::vector<int64_t> req_of(T), first_of(T), n_of(T);
   // Tree tokens (model/attention_metadata.py TREE_DOC): their keys' chain positions, context then the mask's.
   std::vector<std::vector<int64_t>> tree_keys(tree_mask != nullptr ? T : 0);
   for (int64_t r = 0; r < R; ++r) {
@@ -554,35 +593,81 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
     for (int64_t i = 0; i < q_len; ++i) {
       const int64_t t = qs[r] + i;
       req_of[t] = r;
-      pos_of[t] = sl[r] - q_len + i;
+      int64_t pos = sl[r] - q_len + i;
       if (tree_mask != nullptr && tree_mask[t] != 0) {
         std::vector<int64_t>& keys = tree_keys[t];
         for (int64_t p = 0; p < tree_base[t]; ++p) keys.push_back(p);
         for (int64_t j = 0; j < 63; ++j)
           if ((tree_mask[t] >> j) & 1) keys.push_back(tree_base[t] + j);
-        pos_of[t] = static_cast<int64_t>(keys.size()) - 1;
+        pos = static_cast<int64_t>(keys.size()) - 1;
       }
+      first_of[t] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      n_of[t] = pos + 1 - first_of[t];
     }
   }
+  // Chunk c of token t: its keys first + c kChunk .. (the slot bases of) at most kChunk of them.
+  auto chunk_rows = [&](int64_t t, int64_t c, std::vector<const KV*>& rows) -> int64_t {
+    const int64_t k0 = c * kChunk, nc = std::min(kChunk, n_of[t] - k0);
+    const int32_t* table = tp + req_of[t] * ld_table;
+    const int64_t* key_pos = tree_keys.empty() || tree_keys[t].empty() ? nullptr : tree_keys[t].data();
+    rows.resize(static_cast<size_t>(nc));
+    for (int64_t i = 0; i < nc; ++i) {
+      const int64_t p = key_pos != nullptr ? key_pos[first_of[t] + k0 + i] : first_of[t] + k0 + i;
+      rows[i] = k_cache + ((static_cast<int64_t>(table[p >> shift]) << shift) + (p & bmask)) * H_kv * D;
+    }
+    return nc;
+  };
+  auto chunks_of = [&](int64_t t) { return (n_of[t] + kChunk - 1) / kChunk; };
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ld_table = tables.size(1);
-  // One work item: a token's KV group; where there are fewer groups than two per thread (a decode step of one
-  // request), two heads of a group, so the items spread over the threads more evenly. Items are numbered KV
-  // head first, so the tokens of a verification that share a KV head's rows mostly run on one thread.
-  const bool split = per_kv > 2 && T * H_kv < 2 * at::get_num_threads();
-  const int per_item = split ? 2 : per_kv;
-  const int64_t parts = (per_kv + per_item - 1) / per_item;
-  at::parallel_for(0, T * H_kv * parts, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t kvh = i / (T * parts), t = i / parts % T, h0 = kvh * per_kv + i % parts * per_item;
-      const int heads = static_cast<int>(std::min<int64_t>(per_item, (kvh + 1) * per_kv - h0));
-      const int64_t first = window > 0 ? std::max<int64_t>(0, pos_of[t] - window + 1) : 0;
-      const int64_t* key_pos = tree_keys.empty() || tree_keys[t].empty() ? nullptr : tree_keys[t].data() + first;
-      attend_item<KV>(qp + (t * H + h0) * D, k_cache, v_cache, tp + req_of[t] * ld_table, first,
-                      pos_of[t], kvh, heads, D, H_kv, block_size, static_cast<float>(scale),
-                      op + (t * H + h0) * D, scores, key_pos);
+  const int64_t per = H * (D + 2);
+  const float sc = static_cast<float>(scale);
+  if (T <= 16) {
+    // Few rows (decode and verification steps): one work item per chunk, then the merges. Items go chunk by
+    // chunk through a request's tokens, so a verification's tokens read each chunk while it is in cache.
+    std::vector<int64_t> start(T + 1, 0);
+    for (int64_t t = 0; t < T; ++t) start[t + 1] = start[t] + chunks_of(t);
+    std::vector<std::pair<int64_t, int64_t>> items;  // (token, chunk)
+    items.reserve(static_cast<size_t>(start[T]));
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t most = 0;
+      for (int64_t t = qs[r]; t < qs[r + 1]; ++t) most = std::max(most, chunks_of(t));
+      for (int64_t c = 0; c < most; ++c)
+        for (int64_t t = qs[r]; t < qs[r + 1]; ++t)
+          if (c < chunks_of(t)) items.emplace_back(t, c);
+    }
+    std::vector<float> part(static_cast<size_t>(start[T] * per));
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores;
+      std::vector<const KV*> rows;
+      for (int64_t i = i0; i < i1; ++i) {
+        const auto [t, c] = items[i];
+        const int64_t nc = chunk_rows(t, c, rows);
+        float* pc = part.data() + (start[t] + c) * per;
+        attend_chunk<KV>(qp + t * H * D, rows.data(), nc, v_off, static_cast<int>(H), static_cast<int>(H_kv), D,
+                         sc, pc, pc + H * D, pc + H * D + H, scores);
+      }
+    });
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        merge_chunks(part.data() + start[t] * per, chunks_of(t), static_cast<int>(H), D, op + t * H * D);
+    });
+    return;
+  }
+  // Many rows (prefill): one work item per row, its chunks in turn (the same partials, merged the same way).
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores, part;
+    std::vector<const KV*> rows;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t chunks = chunks_of(t);
+      part.resize(static_cast<size_t>(chunks * per));
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t nc = chunk_rows(t, c, rows);
+        float* pc = part.data() + c * per;
+        attend_chunk<KV>(qp + t * H * D, rows.data(), nc, v_off, static_cast<int>(H), static_cast<int>(H_kv), D,
+                         sc, pc, pc + H * D, pc + H * D + H, scores);
+      }
+      merge_chunks(part.data(), chunks, static_cast<int>(H), D, op + t * H * D);
     }
   });
 }
@@ -593,6 +678,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
                            const std::optional<at::Tensor>& tree_mask = std::nullopt) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.is_contiguous(), "bad attention shapes");
   TORCH_CHECK(query.size(2) % 8 == 0 && query.size(2) == kv_cache.size(4), "head_dim must be a multiple of 8");
+  TORCH_CHECK((kv_cache.size(2) & (kv_cache.size(2) - 1)) == 0, "the KV block size must be a power of two");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
               seq_lens.scalar_type() == at::kInt, "metadata must be int32");
@@ -613,8 +699,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
   }
   if (kv_cache.scalar_type() == at::kFloat) {
     attention_impl<float>(q, kv_cache, tables, qsl, sl, scale, window, tbp, tmp, out);
+  } else if (kv_cache.scalar_type() == at::kHalf) {
+    attention_impl<at::Half>(q, kv_cache, tables, qsl, sl, scale, window, tbp, tmp, out);
   } else {
-    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "KV cache must be float32 or bfloat16");
+    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "KV cache must be float32, float16 or bfloat16");
     attention_impl<at::BFloat16>(q, kv_cache, tables, qsl, sl, scale, window, tbp, tmp, out);
   }
   return out.to(query.scalar_type());
@@ -666,30 +754,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
 }
 
 // qkv [T, (H + 2 Hkv) D] -> q [T, H, D] with rotary embedding (rotate-half layout, cos/sin tables [P, D]);
-// k (rotated) and v are written to kv_cache [2, blocks, block_size, Hkv, D] at slot_mapping[t].
-at::Tensor rope_write_kv(const at::Tensor& qkv_in, const at::Tensor& positions, const at::Tensor& cos,
-                         const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
-                         int64_t H, int64_t Hkv) {
-  TORCH_CHECK(qkv_in.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
-              cos.scalar_type() == at::kFloat, "rope_write_kv: fp32 only");
-  TORCH_CHECK(kv_cache.is_contiguous() && positions.scalar_type() == at::kLong &&
-              slot_mapping.scalar_type() == at::kLong, "rope_write_kv: bad cache or index dtypes");
-  const at::Tensor qkv = qkv_in.contiguous(), pos = positions.contiguous(), slots = slot_mapping.contiguous();
-  const int64_t T = qkv.size(0), D = kv_cache.size(4), half = D / 2, width = qkv.size(1);
-  TORCH_CHECK(width == (H + 2 * Hkv) * D && kv_cache.size(3) == Hkv, "rope_write_kv: shapes do not match");
-  at::Tensor q = at::empty({T, H, D}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* cp = cos.contiguous().data_ptr<float>();
-  const float* sp = sin.contiguous().data_ptr<float>();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t* slp = slots.data_ptr<int64_t>();
-  float* qp = q.data_ptr<float>();
-  float* kc = kv_cache.data_ptr<float>();
-  float* vc = kc + kv_cache.stride(0);
-  auto rotate = [&](const float* x, const float* c, const float* s, float* out) {
+// k (rotated) and v are written to kv_cache [2, blocks, block_size, Hkv, D] at slot_mapping[t], rounded to
+// the cache's dtype (fp32, fp16 or bf16; round to nearest even, as torch's .to()).
+template <typename KV>
+void rope_write_rows(const float* src, const int64_t* pp, const int64_t* slp, const float* cp, const float* sp,
+                     float* qp, KV* kc, KV* vc, int64_t T, int64_t H, int64_t Hkv, int64_t D) {
+  const int64_t half = D / 2, width = (H + 2 * Hkv) * D;
+  auto rotate = [&](const float* x, const float* c, const float* s, auto* out) {
+    using O = std::remove_pointer_t<decltype(out)>;
     for (int64_t i = 0; i < half; ++i) {
-      out[i] = x[i] * c[i] - x[i + half] * s[i];
-      out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+      out[i] = static_cast<O>(x[i] * c[i] - x[i + half] * s[i]);
+      out[i + half] = static_cast<O>(x[i + half] * c[i + half] + x[i] * s[i + half]);
     }
   };
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
@@ -698,12 +773,50 @@ at::Tensor rope_write_kv(const at::Tensor& qkv_in, const at::Tensor& positions, 
       const float* c = cp + pp[t] * D;
       const float* s = sp + pp[t] * D;
       for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, qp + (t * H + h) * D);
-      float* kdst = kc + slp[t] * Hkv * D;
-      float* vdst = vc + slp[t] * Hkv * D;
+      KV* kdst = kc + slp[t] * Hkv * D;
+      KV* vdst = vc + slp[t] * Hkv * D;
       for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, c, s, kdst + h * D);
-      std::copy(row + (H + Hkv) * D, row + (H + 2 * Hkv) * D, vdst);
+      const float* v = row + (H + Hkv) * D;
+      for (int64_t i = 0; i < Hkv * D; ++i) vdst[i] = static_cast<KV>(v[i]);
     }
   });
+}
+
+at::Tensor rope_write_kv(const at::Tensor& qkv_in, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                         int64_t H, int64_t Hkv) {
+  TORCH_CHECK(qkv_in.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat, "rope_write_kv: fp32 only");
+  TORCH_CHECK(kv_cache.is_contiguous() && positions.scalar_type() == at::kLong &&
+              slot_mapping.scalar_type() == at::kLong, "rope_write_kv: bad cache or index dtypes");
+  const at::Tensor qkv = qkv_in.contiguous(), pos = positions.contiguous(), slots = slot_mapping.contiguous();
+  const int64_t T = qkv.size(0), D = kv_cache.size(4), width = qkv.size(1);
+  TORCH_CHECK(width == (H + 2 * Hkv) * D && kv_cache.size(3) == Hkv, "rope_write_kv: shapes do not match");
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.contiguous().data_ptr<float>();
+  const float* sp = sin.contiguous().data_ptr<float>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* slp = slots.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  const int64_t vstride = kv_cache.stride(0);
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat: {
+      float* kc = kv_cache.data_ptr<float>();
+      rope_write_rows<float>(src, pp, slp, cp, sp, qp, kc, kc + vstride, T, H, Hkv, D);
+      break;
+    }
+    case at::kHalf: {
+      at::Half* kc = kv_cache.data_ptr<at::Half>();
+      rope_write_rows<at::Half>(src, pp, slp, cp, sp, qp, kc, kc + vstride, T, H, Hkv, D);
+      break;
+    }
+    case at::kBFloat16: {
+      at::BFloat16* kc = kv_cache.data_ptr<at::BFloat16>();
+      rope_write_rows<at::BFloat16>(src, pp, slp, cp, sp, qp, kc, kc + vstride, T, H, Hkv, D);
+      break;
+    }
+    default: TORCH_CHECK(false, "rope_write_kv: the KV cache must be float32, float16 or bfloat16");
+  }
   return q;
 }
 
