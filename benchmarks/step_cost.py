@@ -7,7 +7,7 @@ this measures that assumption (docs/architecture.md, "CPU compute dtype").
     .venv/bin/python benchmarks/step_cost.py --model PATH --context 1000 --dtypes bfloat16 --quantizations int4
 
 Per row: median ms of one forward + logits for T = 1 .. 8 tokens of one request after a context
-of ``--context`` tokens, the ratio to T = 1 (T = 5 is verifying k = 4 drafts), and how many logits of the
+of ``--context`` tokens (the KV cache in the engine's default dtype), the ratio to T = 1 (T = 5 is verifying k = 4 drafts), and how many logits of the
 first row differ from the T = 1 run (0 = batch-invariant). Medians over ``--repeats`` interleaved rounds; the
 ratio is the median of the per-round ratios (the machine's speed drifts between rounds).
 """
@@ -30,12 +30,14 @@ def measure(ckpt, dtype: torch.dtype, quantization: str, prompt: torch.Tensor, c
     the 1-token run per token count). The ratio is taken within each round (this machine's speed drifts
     between rounds) and then the median over rounds."""
     from specserve.model.attention import build_metadata
-    from specserve.platform import detect
+    from specserve.platform import detect, resolve_kv_dtype
     from specserve.worker.model_runner import build_model
 
     block_size = 16
-    model = build_model(ckpt, detect("cpu"), dtype, ctx + 64, quantization)
-    kv = [torch.zeros(model.kv_cache_shape(len(table) + 1, block_size), dtype=dtype)
+    platform = detect("cpu")
+    model = build_model(ckpt, platform, dtype, ctx + 64, quantization)
+    kv_dtype = resolve_kv_dtype(platform, "auto", dtype)  # the engine's default cache
+    kv = [torch.zeros(model.kv_cache_shape(len(table) + 1, block_size), dtype=kv_dtype)
           for _ in range(ckpt.arch.num_layers)]
     model(prompt[:ctx], torch.arange(ctx), kv, build_metadata([ctx], [ctx], [table], block_size))
 
