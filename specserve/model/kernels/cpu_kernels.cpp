@@ -655,10 +655,13 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
     return;
   }
   // Many rows (prefill): one work item per row, its chunks in turn (the same partials, merged the same way).
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  // Items zig-zag over the rows (first, last, second, ...): a prompt's rows grow in length, and each thread
+  // takes a contiguous range of items, so this gives every thread about the same number of keys.
+  at::parallel_for(0, T, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, part;
     std::vector<const KV*> rows;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i % 2 == 0 ? i / 2 : T - 1 - i / 2;
       const int64_t chunks = chunks_of(t);
       part.resize(static_cast<size_t>(chunks * per));
       for (int64_t c = 0; c < chunks; ++c) {
