@@ -164,9 +164,10 @@ def test_cpu_weights_keep_fp16_scales_when_exact(bits):
 def test_cpu_paged_attention_matches_torch_reference(kv_dtype):
     torch.manual_seed(0)
     bs, heads, kv_heads, d = 16, 6, 2, 32
-    kv = torch.randn(2, 40, bs, kv_heads, d).to(kv_dtype)
-    q_lens, seq_lens = [1, 5, 37, 1, 3], [300, 120, 37, 17, 3]
-    tables = [(torch.randperm(39)[: -(-s // bs)] + 1).tolist() for s in seq_lens]
+    kv = torch.randn(2, 60, bs, kv_heads, d).to(kv_dtype)
+    # rows of one chunk (<= 64 keys), of 64-key chunks (120, 300) and of 128-key chunks (700)
+    q_lens, seq_lens = [1, 5, 37, 1, 3, 2], [300, 120, 37, 17, 3, 700]
+    tables = [(torch.randperm(59)[: -(-s // bs)] + 1).tolist() for s in seq_lens]
     meta = build_metadata(q_lens, seq_lens, tables, bs)
     q = torch.randn(sum(q_lens), heads, d).to(torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32)
     ref = TorchAttention().attend(q, kv, meta, d ** -0.5).float()
