@@ -207,6 +207,9 @@ def detect(requested: str = "auto", rank: int | None = None) -> Platform:
     )
 
 
+DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def resolve_dtype(platform: Platform, dtype: str, quantized: bool = False) -> torch.dtype:
     """The compute dtype for ``--dtype``; ``quantized``: the model's matmul weights will be quantized.
 
@@ -219,7 +222,7 @@ def resolve_dtype(platform: Platform, dtype: str, quantized: bool = False) -> to
         if quantized and platform.kind == "cpu" and platform.quant_kernels == "cpu":
             return torch.float32
         return platform.default_dtype
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return DTYPE_BY_NAME[dtype]
 
 
 def resolve_kv_dtype(platform: Platform, kv_cache_dtype: str, compute: torch.dtype) -> torch.dtype:
@@ -235,7 +238,7 @@ def resolve_kv_dtype(platform: Platform, kv_cache_dtype: str, compute: torch.dty
         if platform.kind == "cpu" and compute == torch.float32 and platform.attention_backend == "cpu":
             return torch.float16
         return compute
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[kv_cache_dtype]
+    return DTYPE_BY_NAME[kv_cache_dtype]
 
 
 def staged(values: torch.Tensor | Sequence, device: torch.device, dtype: torch.dtype | None = None

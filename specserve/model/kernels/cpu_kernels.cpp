@@ -39,6 +39,15 @@ namespace {
 constexpr int kGroup = 32;
 constexpr int kRowTile = 6;  // rows per pass over the weights (more spill the accumulators out of registers)
 
+// f(std::integral_constant<int, r>{}) for a runtime 1 <= r <= Max: the kernels take their row count as a
+// template argument so the accumulators stay in registers.
+template <int Max, int R = 1, typename F>
+inline void with_rows(int64_t r, F&& f) {
+  if constexpr (R >= Max) f(std::integral_constant<int, Max>{});
+  else if (r == R) f(std::integral_constant<int, R>{});
+  else with_rows<Max, R + 1>(r, f);
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -194,16 +203,8 @@ void mm_rows(const Rows& xq, const at::Tensor& q, const at::Tensor& sc, const c1
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr()); const S* sp = sc.data_ptr<S>();
   const S* mp = mins.has_value() ? mins->data_ptr<S>() : nullptr; float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-      switch (std::min<int64_t>(kRowTile, M - m0)) {
-        case 1: tile<kQ4,S,1>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 2: tile<kQ4,S,2>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 3: tile<kQ4,S,3>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 4: tile<kQ4,S,4>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-        case 5: tile<kQ4,S,5>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-        default: tile<kQ4,S,6>(xq,qp,sp,mp,yp,N,m0,n0,n1); break;
-      }
-    }
+    for (int64_t m0 = 0; m0 < M; m0 += kRowTile)
+      with_rows<kRowTile>(M - m0, [&](auto r) { tile<kQ4, S, decltype(r)::value>(xq, qp, sp, mp, yp, N, m0, n0, n1); });
   });
 }
 // ---------------------------------------------------------------------------------------------------------
@@ -334,18 +335,8 @@ void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const S* sp, const S* mp
   at::parallel_for(0, N / kTile16, 1, [&](int64_t t_begin, int64_t t_end) {
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileBlock) {
       const int64_t t1 = std::min(t_end, t0 + kTileBlock);
-      for (int64_t m0 = 0; m0 < M; m0 += kRows16) {
-        switch (std::min<int64_t>(kRows16, M - m0)) {
-          case 1: tile16<kQ4,S,1>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
-          case 2: tile16<kQ4,S,2>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
-          case 3: tile16<kQ4,S,3>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
-          case 4: tile16<kQ4,S,4>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
-          case 5: tile16<kQ4,S,5>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
-          case 6: tile16<kQ4,S,6>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
-          case 7: tile16<kQ4,S,7>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
-          default: tile16<kQ4,S,8>(xq,qp,sp,mp,yp,N,m0,t0,t1); break;
-        }
-      }
+      for (int64_t m0 = 0; m0 < M; m0 += kRows16)
+        with_rows<kRows16>(M - m0, [&](auto r) { tile16<kQ4, S, decltype(r)::value>(xq, qp, sp, mp, yp, N, m0, t0, t1); });
     }
   });
 }
@@ -406,11 +397,6 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 // (max-subtracted, two passes) and the weighted V sum are fp32, in key order: a row's result depends only on
 // its own keys, never on the batch, the chunking or the thread count.
 
-inline float load_f(const float* p) { return *p; }
-inline float load_f(const at::BFloat16* p) { return static_cast<float>(*p); }
-
-inline float load_f(const at::Half* p) { return static_cast<float>(*p); }
-
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32: the 16 bits become the high half
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -437,11 +423,11 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// out[h] = sum_p w[h][p] V_p * inv[h] for HG heads, 32 dims at a time (4 accumulators per head stay in
-// registers), the rest 8 dims at a time; w[h] is at e + h * stride, V_p at rows[p] + v_off.
+// out[h] = sum_p w[h][p] V_p for HG heads, 32 dims at a time (4 accumulators per head stay in registers),
+// the rest 8 dims at a time; w[h] is at e + h * stride, V_p at rows[p] + v_off.
 template <typename KV, int HG>
-void weigh_values(const float* e, int64_t stride, const float* inv, const KV* const* rows, int64_t v_off,
-                  int64_t n, int64_t D, float* out) {
+void weigh_values(const float* e, int64_t stride, const KV* const* rows, int64_t v_off, int64_t n, int64_t D,
+                  float* out) {
   int64_t d0 = 0;
   for (; d0 + 32 <= D; d0 += 32) {
     __m256 acc[HG][4];
@@ -456,16 +442,14 @@ void weigh_values(const float* e, int64_t stride, const float* inv, const KV* co
         for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_fmadd_ps(w, v[j], acc[h][j]);
       }
     }
-    for (int h = 0; h < HG; ++h) {
-      const __m256 iv = _mm256_set1_ps(inv[h]);
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + h * D + d0 + 8 * j, _mm256_mul_ps(acc[h][j], iv));
-    }
+    for (int h = 0; h < HG; ++h)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + h * D + d0 + 8 * j, acc[h][j]);
   }
   for (; d0 < D; d0 += 8) {
     for (int h = 0; h < HG; ++h) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t p = 0; p < n; ++p) acc = _mm256_fmadd_ps(_mm256_set1_ps(e[h * stride + p]), load8(rows[p] + v_off + d0), acc);
-      _mm256_storeu_ps(out + h * D + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv[h])));
+      _mm256_storeu_ps(out + h * D + d0, acc);
     }
   }
 }
@@ -541,12 +525,11 @@ void attend_chunk(const float* q, const KV* const* rows, int64_t n, int64_t v_of
   // o_h = sum_p e_p V_p, keys in order, two heads of a KV group per pass over its V rows (each V row is
   // loaded once for both; three would spill an accumulator out of AVX2's 16 registers); each output lane's
   // sum is the same whatever the grouping.
-  const float ones[2] = {1.f, 1.f};
   for (int h0 = 0; h0 < H;) {
     const int64_t voff = v_off + (h0 / per_kv) * D;
     const bool pair = h0 + 1 < H && (h0 + 1) / per_kv == h0 / per_kv;
-    if (pair) weigh_values<KV, 2>(scores.data() + h0 * stride, stride, ones, rows, voff, n, D, o + h0 * D);
-    else weigh_values<KV, 1>(scores.data() + h0 * stride, stride, ones, rows, voff, n, D, o + h0 * D);
+    if (pair) weigh_values<KV, 2>(scores.data() + h0 * stride, stride, rows, voff, n, D, o + h0 * D);
+    else weigh_values<KV, 1>(scores.data() + h0 * stride, stride, rows, voff, n, D, o + h0 * D);
     h0 += pair ? 2 : 1;
   }
 }
@@ -624,8 +607,13 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
   auto chunks_of = [&](int64_t t) { return (n_of[t] + chunk_keys(n_of[t]) - 1) / chunk_keys(n_of[t]); };
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t per = H * (D + 2);
-  const float sc = static_cast<float>(scale);
+  const int64_t per = H * (D + 2);  // a chunk's partial: o [H, D], m [H], l [H]
+  // Chunk c of token t into the partial at pc (rows, scores: the calling thread's scratch).
+  auto run_chunk = [&](int64_t t, int64_t c, float* pc, std::vector<const KV*>& rows, std::vector<float>& scores) {
+    const int64_t nc = chunk_rows(t, c, rows);
+    attend_chunk<KV>(qp + t * H * D, rows.data(), nc, v_off, static_cast<int>(H), static_cast<int>(H_kv), D,
+                     static_cast<float>(scale), pc, pc + H * D, pc + H * D + H, scores);
+  };
   if (T <= 16) {
     // Few rows (decode and verification steps): one work item per chunk, then the merges. Items go chunk by
     // chunk through a request's tokens, so a verification's tokens read each chunk while it is in cache.
@@ -646,10 +634,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
       std::vector<const KV*> rows;
       for (int64_t i = i0; i < i1; ++i) {
         const auto [t, c] = items[i];
-        const int64_t nc = chunk_rows(t, c, rows);
-        float* pc = part.data() + (start[t] + c) * per;
-        attend_chunk<KV>(qp + t * H * D, rows.data(), nc, v_off, static_cast<int>(H), static_cast<int>(H_kv), D,
-                         sc, pc, pc + H * D, pc + H * D + H, scores);
+        run_chunk(t, c, part.data() + (start[t] + c) * per, rows, scores);
       }
     });
     at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
@@ -668,12 +653,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
       const int64_t t = i % 2 == 0 ? i / 2 : T - 1 - i / 2;
       const int64_t chunks = chunks_of(t);
       part.resize(static_cast<size_t>(chunks * per));
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t nc = chunk_rows(t, c, rows);
-        float* pc = part.data() + c * per;
-        attend_chunk<KV>(qp + t * H * D, rows.data(), nc, v_off, static_cast<int>(H), static_cast<int>(H_kv), D,
-                         sc, pc, pc + H * D, pc + H * D + H, scores);
-      }
+      for (int64_t c = 0; c < chunks; ++c) run_chunk(t, c, part.data() + c * per, rows, scores);
       merge_chunks(part.data(), chunks, static_cast<int>(H), D, op + t * H * D);
     }
   });
