@@ -215,11 +215,12 @@ def test_fused_ops_match_torch_ops():
 @needs_kernels
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fused_decoder_layer_equals_per_op_path(tmp_path, family):
-    """A layer whose matmuls are all quantized runs as one ``decoder_layer`` call; its results (prefill,
-    decode, a 4-token verification, and a layer a float weight keeps on the per-op path) equal the per-op
-    path's bit for bit. qwen2 adds the q/k/v bias."""
+    """A layer whose matmuls are all quantized runs as one ``decoder_layer`` call, and a model whose layers
+    all do as one ``decoder_stack`` call; their results (prefill, decode, a 4-token verification, the feature
+    layers an EAGLE head reads, and a layer a float weight keeps on the per-op path) equal the per-op path's
+    bit for bit. qwen2 adds the q/k/v bias."""
     from specserve.model.loader import load_checkpoint
-    from specserve.model.ops import _fused_args
+    from specserve.model.ops import _fused_args, _stack_args
     from specserve.worker.model_runner import build_model
     from tests.helpers import tiny_hf_model
 
@@ -227,11 +228,12 @@ def test_fused_decoder_layer_equals_per_op_path(tmp_path, family):
     model = build_model(load_checkpoint(str(tmp_path)), detect("cpu"), torch.float32, 128, "int4")
     assert isinstance(model.ops, CpuFusedOps)
     layers = model.decoder_layers
-    layers[2].mlp.down = DenseWeight(layers[2].mlp.down.dequantize())  # this layer cannot be fused
     kv0 = torch.zeros(model.kv_cache_shape(8, 16))
-    assert _fused_args(layers[0], kv0) is not None and _fused_args(layers[2], kv0) is None
 
-    class PerOp(CpuFusedOps):
+    class Layered(CpuFusedOps):  # one decoder_layer call per layer
+        stack = TorchOps.stack
+
+    class PerOp(Layered):
         layer = TorchOps.layer
 
     def run(ops: TorchOps) -> list[torch.Tensor]:
@@ -241,9 +243,23 @@ def test_fused_decoder_layer_equals_per_op_path(tmp_path, family):
         outs = []
         for start, n in ((0, 30), (30, 1), (31, 5)):  # prefill, decode, verification
             meta = build_metadata([n], [start + n], [[0, 1, 2, 3]], 16)
-            outs.append(model.compute_logits(model(ids[start:start + n], torch.arange(start, start + n), kv, meta)))
+            normed, features = model(ids[start:start + n], torch.arange(start, start + n), kv, meta,
+                                     return_prenorm=True)
+            outs += [model.compute_logits(normed), features]
+            meta = build_metadata([n], [start + n], [[4, 5, 6, 7]], 16)  # the first two layers only
+            outs.append(model(ids[start:start + n], torch.arange(start, start + n), kv[:2], meta, num_layers=2))
         return outs + kv
 
+    model.feature_layers = (1, 3)
+    assert _stack_args(layers, model.layer_ropes, [kv0] * 3) is not None
+    stacked, layered, per_op = run(CpuFusedOps()), run(Layered()), run(PerOp())
+    assert all(torch.equal(a, b) for a, b in zip(stacked, per_op))
+    assert all(torch.equal(a, b) for a, b in zip(layered, per_op))
+
+    layers[2].mlp.down = DenseWeight(layers[2].mlp.down.dequantize())  # this layer cannot be fused
+    assert _fused_args(layers[0], kv0) is not None and _fused_args(layers[2], kv0) is None
+    assert _stack_args(layers, model.layer_ropes, [kv0] * 3) is None  # noticed: the weight was replaced
+    assert _stack_args(layers[:2], model.layer_ropes[:2], [kv0] * 2) is not None
     fused, per_op = run(CpuFusedOps()), run(PerOp())
     assert all(torch.equal(a, b) for a, b in zip(fused, per_op))
 

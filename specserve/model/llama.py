@@ -155,10 +155,15 @@ class LlamaModel(nn.Module):
         taps = self.feature_layers if return_prenorm and self.feature_layers else ()
         kept: list[torch.Tensor] = []
         ops, delta = self.ops, None  # delta: the last sublayer's output, added to h by the next add_norm
-        for i, (layer, rope, kv_cache) in enumerate(zip(layers, self.layer_ropes, kv_caches), start=1):
-            h, delta = ops.layer(layer, h, delta, positions, rope, kv_cache, meta, self.backend)
-            if i in taps:
-                kept.append(h + delta)
+        stacked = ops.stack(layers, h, positions, self.layer_ropes[:len(layers)], kv_caches[:len(layers)], meta,
+                            taps)
+        if stacked is not None:
+            h, delta, kept = stacked
+        else:
+            for i, (layer, rope, kv_cache) in enumerate(zip(layers, self.layer_ropes, kv_caches), start=1):
+                h, delta = ops.layer(layer, h, delta, positions, rope, kv_cache, meta, self.backend)
+                if i in taps:
+                    kept.append(h + delta)
         h, normed = ops.add_norm(h, delta, self.norm)  # the last delta added, then the final norm
         if not return_prenorm:
             return normed

@@ -4,7 +4,8 @@
 - ``CpuFusedOps``: fp32 on an x86 CPU with the C++ kernels (``kernels/cpu_kernels.cpp``): residual add +
   RMSNorm in one call, and rotary embedding of q and k fused with the K/V cache write. A layer whose four
   matmul weights are all quantized for those kernels runs as one call (``decoder_layer``): a few microseconds
-  of Python and dispatch per layer instead of about fifteen ops' worth, with the same arithmetic.
+  of Python and dispatch per layer instead of about fifteen ops' worth, with the same arithmetic; when every
+  layer can, the whole stack is one call (``decoder_stack``, the same layers in a C++ loop).
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ if TYPE_CHECKING:
 
 
 class TorchOps:
+    def stack(self, layers: list[DecoderLayer], h: torch.Tensor, positions: torch.Tensor,
+              ropes: list[RotaryEmbedding], kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+              taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+        """All ``layers`` in one call: (h, delta) after the last one and the outputs ``h + delta`` of the
+        layers in ``taps`` (1-based), or None where the layers run one ``layer`` call each."""
+        return None
+
     def layer(self, layer: DecoderLayer, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
               rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +70,18 @@ class CpuFusedOps(TorchOps):
             h, delta, *args[0], positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping, meta.block_tables,
             meta.query_start_loc, meta.seq_lens, *args[1], meta.tree_base, meta.tree_mask)
 
+    def stack(self, layers: list[DecoderLayer], h: torch.Tensor, positions: torch.Tensor,
+              ropes: list[RotaryEmbedding], kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+              taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+        args = _stack_args(layers, ropes, kv_caches)
+        if args is None:
+            return None
+        h, delta, kept = torch.ops.specserve_cpu.decoder_stack(
+            h, None, *args[0], positions, *args[1], kv_caches, meta.slot_mapping, meta.block_tables,
+            meta.query_start_loc, meta.seq_lens, *args[2], sorted(t - 1 for t in taps if t <= len(layers)),
+            meta.tree_base, meta.tree_mask)
+        return h, delta, kept
+
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         if norm.chunks > 1:
@@ -94,13 +114,13 @@ def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[Any,
     """The layer's arguments as ``decoder_layer`` takes them (those before the positions: norms, eps, the
     matmul weights; those after the attention metadata: head counts, scale, window), or None where the layer
     cannot run as one call (a float weight, chunked norms, q/k norms, a head_dim the attention kernel does not
-    take). Worked out once per layer and kept on it; the identity check (plain dict reads: a module attribute
-    read costs about a microsecond, and this runs for every layer of every step) notices weights that were
-    loaded again."""
+    take). Worked out once per layer and kept on it; the identity check of the matmul modules (plain dict
+    reads: a module attribute read costs about a microsecond, and this runs for every layer of every step)
+    notices weights that were loaded again."""
     from specserve.model.quant import CpuQuantWeight
 
-    cached, attn = layer.__dict__.get("_fused_args"), layer._modules["attn"]
-    if cached is not None and attn is not None and cached[0] is attn._modules.get("qkv"):
+    cached, mats_now = layer.__dict__.get("_fused_args"), _matmuls(layer)
+    if cached is not None and all(a is b for a, b in zip(cached[0], mats_now)):
         return cached[1]
     a, mlp = layer.attn, layer.mlp
     mats: tuple[Any, ...] = (a.qkv, a.o, mlp.gate_up, mlp.down)
@@ -117,5 +137,41 @@ def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[Any,
             if w is a.qkv:
                 head.append(a.qkv_bias)
         args = (tuple(head), (a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0))
-    layer.__dict__["_fused_args"] = (a._modules.get("qkv"), args)
+    layer.__dict__["_fused_args"] = (mats_now, args)
+    return args
+
+
+def _matmuls(layer: DecoderLayer) -> tuple[Any, ...]:
+    """The layer's four matmul modules (plain dict reads), whose identity says its weights were not replaced."""
+    attn, mlp = layer._modules["attn"], layer._modules["mlp"]
+    a = attn._modules if attn is not None else {}
+    m = mlp._modules if mlp is not None else {}
+    return a.get("qkv"), a.get("o"), m.get("gate_up"), m.get("down")
+
+
+def _stack_args(layers: list[DecoderLayer], ropes: list[RotaryEmbedding], kv_caches: list[torch.Tensor]
+                ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]] | None:
+    """``decoder_stack``'s per-layer arguments as lists (those before the positions, the rope tables, those
+    after the metadata), or None unless every layer runs as one ``decoder_layer`` call with the same eps, head
+    counts and scale. Kept on the first layer (per layer count), rebuilt when a layer's weights or rope changed
+    (identity checks, as ``_fused_args``)."""
+    if not layers or len(layers) != len(kv_caches):
+        return None
+    ident = tuple(m for layer in layers for m in _matmuls(layer)) + tuple(ropes)
+    cache = layers[0].__dict__.setdefault("_stack_args", {})
+    cached = cache.get(len(layers))
+    if cached is not None and len(cached[0]) == len(ident) and all(a is b for a, b in zip(cached[0], ident)):
+        return cached[1]
+    per = [_fused_args(layer, kv) for layer, kv in zip(layers, kv_caches)]
+    args = None
+    if all(p is not None for p in per) and len({(p[0][2], *p[1][:3]) for p in per}) == 1:  # type: ignore[index]
+        heads = [p[0] for p in per]  # type: ignore[index]
+        cols = list(zip(*heads))  # input_norm, post_norm, eps, then (codes, scales, mins[, bias]) per matmul
+        lists = [list(c) for c in cols]
+        eps = heads[0][2]
+        before = (lists[0], lists[1], eps, *lists[3:])
+        n_heads, n_kv, scale = per[0][1][:3]  # type: ignore[index]
+        args = (before, ([r.cos for r in ropes], [r.sin for r in ropes]),
+                (n_heads, n_kv, scale, [p[1][3] for p in per]))  # type: ignore[index]
+    cache[len(layers)] = (ident, args)
     return args

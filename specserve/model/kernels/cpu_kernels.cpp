@@ -854,6 +854,52 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 
 }  // namespace
 
+// Layers in turn, each as decoder_layer: one call per forward instead of one per layer (the per-call Python
+// and dispatch cost, ~30 arguments parsed, times the layer count). Per-layer arguments come as lists, one
+// entry per layer; ``taps``: 0-based layers whose output h + delta is also returned (an EAGLE head's
+// features). Returns (h, delta) after the last layer, as the layer loop in Python would have them.
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_stack(
+    const at::Tensor& h_in, const c10::optional<at::Tensor>& delta_in, at::TensorList input_norms,
+    at::TensorList post_norms, double eps, at::TensorList qkv_codes, at::TensorList qkv_scales,
+    const c10::List<c10::optional<at::Tensor>>& qkv_mins, const c10::List<c10::optional<at::Tensor>>& qkv_biases,
+    at::TensorList o_codes, at::TensorList o_scales, const c10::List<c10::optional<at::Tensor>>& o_mins,
+    at::TensorList gate_up_codes, at::TensorList gate_up_scales,
+    const c10::List<c10::optional<at::Tensor>>& gate_up_mins, at::TensorList down_codes, at::TensorList down_scales,
+    const c10::List<c10::optional<at::Tensor>>& down_mins, const at::Tensor& positions, at::TensorList cos,
+    at::TensorList sin, at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t H, int64_t Hkv, double scale,
+    at::IntArrayRef windows, at::IntArrayRef taps, const std::optional<at::Tensor>& tree_base,
+    const std::optional<at::Tensor>& tree_mask) {
+  const size_t L = kv_caches.size();
+  TORCH_CHECK(input_norms.size() == L && post_norms.size() == L && qkv_codes.size() == L &&
+              qkv_scales.size() == L && qkv_mins.size() == L && qkv_biases.size() == L && o_codes.size() == L &&
+              o_scales.size() == L && o_mins.size() == L && gate_up_codes.size() == L &&
+              gate_up_scales.size() == L && gate_up_mins.size() == L && down_codes.size() == L &&
+              down_scales.size() == L && down_mins.size() == L && cos.size() == L && sin.size() == L &&
+              windows.size() == L, "decoder_stack: one entry per layer in every list");
+  at::Tensor h = h_in;
+  c10::optional<at::Tensor> delta = delta_in;
+  std::vector<at::Tensor> kept;
+  size_t next_tap = 0;
+  for (size_t i = 0; i < L; ++i) {
+    at::Tensor kv = kv_caches[i];
+    auto [h2, d2] = decoder_layer(h, delta, input_norms[i], post_norms[i], eps, qkv_codes[i], qkv_scales[i],
+                                  qkv_mins.get(i), qkv_biases.get(i), o_codes[i], o_scales[i], o_mins.get(i),
+                                  gate_up_codes[i], gate_up_scales[i], gate_up_mins.get(i), down_codes[i],
+                                  down_scales[i], down_mins.get(i), positions, cos[i], sin[i], kv, slot_mapping,
+                                  block_tables, query_start_loc, seq_lens, H, Hkv, scale, windows[i], tree_base,
+                                  tree_mask);
+    h = std::move(h2);
+    delta = std::move(d2);
+    if (next_tap < taps.size() && taps[next_tap] == static_cast<int64_t>(i)) {
+      kept.push_back(h + *delta);
+      ++next_tap;
+    }
+  }
+  TORCH_CHECK(next_tap == taps.size(), "decoder_stack: taps must be increasing layer indices below the layer count");
+  return {h, *delta, kept};
+}
+
 TORCH_LIBRARY(specserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -870,6 +916,14 @@ TORCH_LIBRARY(specserve_cpu, m) {
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_heads, "
         "int num_kv_heads, float scale, int window, Tensor? tree_base=None, Tensor? tree_mask=None) "
         "-> (Tensor, Tensor)");
+  m.def("decoder_stack(Tensor h, Tensor? delta, Tensor[] input_norms, Tensor[] post_norms, float eps, "
+        "Tensor[] qkv_codes, Tensor[] qkv_scales, Tensor?[] qkv_mins, Tensor?[] qkv_biases, Tensor[] o_codes, "
+        "Tensor[] o_scales, Tensor?[] o_mins, Tensor[] gate_up_codes, Tensor[] gate_up_scales, "
+        "Tensor?[] gate_up_mins, Tensor[] down_codes, Tensor[] down_scales, Tensor?[] down_mins, "
+        "Tensor positions, Tensor[] cos, Tensor[] sin, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, "
+        "float scale, int[] windows, int[] taps, Tensor? tree_base=None, Tensor? tree_mask=None) "
+        "-> (Tensor, Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
@@ -880,4 +934,5 @@ TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("rope_write_kv", rope_write_kv);
   m.impl("decoder_layer", decoder_layer);
+  m.impl("decoder_stack", decoder_stack);
 }
