@@ -22,8 +22,8 @@ import os
 import sys
 from typing import Any
 
-HEADERS = ["dataset", "method", "adaptive", "batch", "off tok/s", "on tok/s", "ratio", "acc rate", "mean acc len", "drafted",
-           "k used", "alpha", "c", "ideal", "eff", "mismatch"]
+HEADERS = ["dataset", "method", "adaptive", "batch", "off tok/s", "on tok/s", "ratio", "decode x", "acc rate",
+           "mean acc len", "drafted", "k used", "alpha", "c", "ideal", "eff", "mismatch"]
 
 
 def row(dataset: str, method: str, adaptive: bool, b: dict[str, Any]) -> list[str]:
@@ -32,7 +32,8 @@ def row(dataset: str, method: str, adaptive: bool, b: dict[str, Any]) -> list[st
 
     drafted = b["drafting_pass_fraction"]
     return [dataset, method, "on" if adaptive else "off", str(b["batch_size"]), f(b["off_tok_s"], ".2f"),
-            f(b["on_tok_s"], ".2f"), f(b["ratio"], ".3f"), f(b["acceptance_rate"], ".3f"),
+            f(b["on_tok_s"], ".2f"), f(b["ratio"], ".3f"), f(b.get("decode_ratio"), ".3f"),
+            f(b["acceptance_rate"], ".3f"),
             f(b["mean_acceptance_length"], ".2f"), "-" if drafted is None else f"{100 * drafted:.0f}%",
             f(b["k_used"], ".2f"), f(b["alpha"], ".3f"), f(b["c"], ".4f"), f(b["ideal_speedup"], ".2f"),
             f(b["efficiency"], ".2f"), f"{b['mismatches']}/{b['num_requests']}"]

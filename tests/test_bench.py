@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,22 +47,23 @@ class _FakeController:
     draft_cost = _FakeCost(0.0, 0.005)
 
 
-def _run(spec: bool, tok_s: float, outputs, drafts=0, drafted=0, accepted=0, per=()):
+def _run(spec: bool, tok_s: float, outputs, drafts=0, drafted=0, accepted=0, per=(), tpot=None):
     n = sum(len(o) for o in outputs)
     return offline.Run(spec, 1, n / tok_s, len(outputs), n, outputs,
                        {"num_drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
                         "accepted_per_position": list(per)},
-                       target_samples=[(1, 0.1), (1, 0.1), (40, 0.3)], draft_samples=[(1, 0.005)])
+                       target_samples=[(1, 0.1), (1, 0.1), (40, 0.3)], draft_samples=[(1, 0.005)], tpot_s=tpot)
 
 
 def test_summarize_constructed_runs():
     outs = [[5, 6, 7, 8] * 5, [9] * 20]
-    off = [_run(False, 10.0, outs), _run(False, 10.0, outs)]
+    off = [_run(False, 10.0, outs, tpot=0.010), _run(False, 10.0, outs, tpot=0.012)]
     on_outs = [outs[0], [9] * 10 + [4] * 10]  # request 1 diverges at output token 10
-    on = [_run(True, 20.0, on_outs, drafts=10, drafted=40, accepted=20, per=(8, 6, 4, 2))] * 2
+    on = [_run(True, 20.0, on_outs, drafts=10, drafted=40, accepted=20, per=(8, 6, 4, 2), tpot=0.004)] * 2
     s = offline.summarize(1, off, on, _FakeController())
     assert s["off_tok_s"] == pytest.approx(10) and s["on_tok_s"] == pytest.approx(20)
     assert s["ratio"] == pytest.approx(2.0)
+    assert s["decode_ratio"] == pytest.approx(0.011 / 0.004)  # medians of the runs' TPOTs
     assert s["acceptance_rate"] == pytest.approx(0.5) and s["mean_acceptance_length"] == pytest.approx(3.0)
     assert s["k_used"] == pytest.approx(4.0)
     assert s["c"] == pytest.approx(0.05)  # 0.005 / median of the 1-token target steps
@@ -72,7 +74,18 @@ def test_summarize_constructed_runs():
     assert s["acceptance_per_position"] == pytest.approx([0.8, 0.6, 0.4, 0.2])
     assert s["mismatches"] == 1 and s["mismatch_examples"][0]["position"] == 10
     text = report.offline_table([s])
-    assert "2.000" in text and "1/2" in text
+    assert "2.000" in text and "2.750" in text and "1/2" in text
+
+
+def test_tpot_of_request_outputs():
+    """TPOT: a request's first token to its last over its tokens after the first, averaged over requests; a
+    request of one token has none."""
+    def out(n_tokens: int, ttft: float, elapsed: float):
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(n_tokens)))],
+                               metrics={"ttft_s": ttft, "elapsed_s": elapsed})
+
+    assert offline._tpot([out(11, 0.5, 1.5), out(5, 2.0, 2.2), out(1, 3.0, 3.0)]) == pytest.approx((0.1 + 0.05) / 2)
+    assert offline._tpot([out(1, 0.1, 0.1)]) is None
 
 
 # -- workloads ----------------------------------------------------------------------------------------------------

@@ -84,6 +84,9 @@ class Run:
     # engine steps of the run, and verification counters per draft source ("model", "lookup", "grammar", ...)
     num_steps: int = 0
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # mean time per output token after the first (TPOT: a request's first token to its last, over its tokens
+    # after the first), over requests with at least two tokens; None when none has
+    tpot_s: float | None = None
 
     @property
     def tok_s(self) -> float:
@@ -91,7 +94,8 @@ class Run:
 
     def raw(self) -> dict[str, Any]:
         return {"speculative": self.speculative, "seconds": round(self.seconds, 5), "tok_s": round(self.tok_s, 3),
-                "num_requests": self.num_requests, "output_tokens": self.output_tokens, "spec": self.spec_stats}
+                "num_requests": self.num_requests, "output_tokens": self.output_tokens, "spec": self.spec_stats,
+                "tpot_s": self.tpot_s}
 
 
 @contextlib.contextmanager
@@ -155,7 +159,14 @@ def run_once(llm, prompts: list[list[int]], batch_size: int, max_tokens: int, sp
     toks = [list(o.outputs[0].token_ids) for o in outs]
     spec_stats = SpecStats.total(o.metrics.get("speculative") or {} for o in outs).as_dict()
     return Run(speculative, batch_size, secs, n, sum(len(t) for t in toks), toks, spec_stats, tgt, drf,
-               after["num_steps"] - before["num_steps"], _source_deltas(before, after))
+               after["num_steps"] - before["num_steps"], _source_deltas(before, after), _tpot(outs))
+
+
+def _tpot(outs) -> float | None:
+    """Mean seconds per output token after the first, over the requests that have two or more tokens."""
+    per = [(o.metrics["elapsed_s"] - o.metrics["ttft_s"]) / (len(o.outputs[0].token_ids) - 1) for o in outs
+           if len(o.outputs[0].token_ids) > 1 and o.metrics.get("ttft_s") is not None]
+    return statistics.fmean(per) if per else None
 
 
 def _source_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -207,11 +218,14 @@ def summarize(batch_size: int, off: list[Run], on: list[Run], controller) -> dic
     c_fit = (t_drf_fit / t_tgt_fit(batch_size)) if t_drf_fit is not None and t_tgt_fit and \
         t_tgt_fit(batch_size) else None
     ratio = on_tps / off_tps if on_tps and off_tps else None
+    off_tpot = _median([r.tpot_s for r in off if r.tpot_s is not None])
+    on_tpot = _median([r.tpot_s for r in on if r.tpot_s is not None])
     ideal = ideal_speedup(alpha, k_used, c) if c is not None and drafts else None  # type: ignore[arg-type]
     n_bad, examples = _mismatches(off, on)
     return {
         "batch_size": batch_size, "num_requests": off[0].num_requests,
         "off_tok_s": off_tps, "on_tok_s": on_tps, "ratio": ratio,
+        "off_tpot_s": off_tpot, "on_tpot_s": on_tpot, "decode_ratio": off_tpot / on_tpot if off_tpot and on_tpot else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_acceptance_length": mean_len if drafts else None,
         "acceptance_per_position": [n / drafts for n in spec_stats["accepted_per_position"]] if drafts else [],

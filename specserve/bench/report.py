@@ -84,8 +84,8 @@ def table(rows: list[list[str]], headers: list[str], markdown: bool = False) -> 
     return "\n".join(out)
 
 
-OFFLINE_HEADERS = ["batch", "off tok/s", "on tok/s", "ratio", "acc rate", "mean acc len", "drafted", "k used",
-                   "alpha", "c", "ideal", "model", "eff", "mismatch"]
+OFFLINE_HEADERS = ["batch", "off tok/s", "on tok/s", "ratio", "decode x", "acc rate", "mean acc len", "drafted",
+                   "k used", "alpha", "c", "ideal", "model", "eff", "mismatch"]
 
 
 def offline_rows(batches: list[dict[str, Any]]) -> list[list[str]]:
@@ -93,7 +93,7 @@ def offline_rows(batches: list[dict[str, Any]]) -> list[list[str]]:
     for b in batches:
         rows.append([
             str(b["batch_size"]), _fmt(b["off_tok_s"], ".2f"), _fmt(b["on_tok_s"], ".2f"), _fmt(b["ratio"], ".3f"),
-            _fmt(b["acceptance_rate"], ".3f"), _fmt(b["mean_acceptance_length"], ".2f"),
+            _fmt(b.get("decode_ratio"), ".3f"), _fmt(b["acceptance_rate"], ".3f"), _fmt(b["mean_acceptance_length"], ".2f"),
             "-" if b["drafting_pass_fraction"] is None else f"{100 * b['drafting_pass_fraction']:.0f}%",
             _fmt(b["k_used"], ".2f"),
             _fmt(b["alpha"], ".3f"), _fmt(b["c"], ".4f"), _fmt(b["ideal_speedup"], ".2f"),
@@ -134,7 +134,9 @@ def offline_table(batches: list[dict[str, Any]], markdown: bool = False, peer: d
 OFFLINE_LEGEND = """\
 - **off / on tok/s**: output tokens per second of one `generate` over all requests of the run (prefill
   included, prefix cache reset before every run), median over repeats; off and on runs interleaved.
-- **ratio** = on / off. **acc rate** = accepted / drafted tokens. **mean acc len** = tokens emitted per
+- **ratio** = on / off. **decode x** = off / on mean time per output token after each request's first
+  (TPOT): the speedup of the decode phase alone, which the prefill both sides share does not dilute.
+  **acc rate** = accepted / drafted tokens. **mean acc len** = tokens emitted per
   verification pass that had drafts (1 + accepted / passes).
 - **drafted**: share of decode passes that verified drafts (the adaptive controller picks k = 0 when its
   measurements say speculation cannot win; it still probes now and then). **k used**: mean drafts per
