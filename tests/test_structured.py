@@ -80,6 +80,33 @@ def test_grammar_rows_follow_the_drafts_and_the_matcher_rolls_back(compiler):
     assert g.forced_tokens(4) == [ord("x")]
 
 
+def test_draft_sampler_drafts_what_the_grammar_allows(compiler):
+    """Grammar-aware drafting masks the draft's own distribution by the grammar after the drafts so far: a
+    draft that prefers forbidden tokens proposes the best allowed one (greedy), and its q (sampled) puts no
+    mass on forbidden tokens; without it the draft proposes its raw argmax, which the drafter would cut."""
+    from types import SimpleNamespace
+
+    from specserve.spec_decode.draft_model import DraftSampler
+
+    logits = torch.zeros(1, V)
+    logits[0, ord("z")] = 9.0  # the draft's favourite, forbidden everywhere
+    logits[0, ord("y")] = 5.0  # allowed only after "x"
+    logits[0, ord("b")] = 4.0  # allowed only after "a"
+    logits[0, ord("a")] = 1.0
+
+    def req(temperature: float) -> SimpleNamespace:
+        g = GrammarState(compiler.compile(SO(choice=("ab", "xy"))))
+        return SimpleNamespace(req_id="r", state=state(SamplingParams(temperature=temperature, seed=1), grammar=g))
+
+    masked, raw = DraftSampler(V, grammar=True), DraftSampler(V, grammar=False)
+    assert masked.sample(logits, [req(0.0)], [[]])[0] == [ord("a")]  # "x" scores 0: "a" is the best start
+    assert masked.sample(logits, [req(0.0)], [[ord("x")]])[0] == [ord("y")]
+    assert masked.sample(logits, [req(0.0)], [[ord("a")]])[0] == [ord("b")]
+    assert raw.sample(logits, [req(0.0)], [[ord("a")]])[0] == [ord("z")]
+    toks, q = masked.sample(logits, [req(1.0)], [[ord("x")]])
+    assert toks == [ord("y")] and q is not None and allowed(q[0].log()) == [ord("y")]
+
+
 def test_grammar_outranks_min_tokens_where_only_eos_is_left(compiler):
     g = GrammarState(compiler.compile(SO(choice=("ab",))))
     g.accept([ord("a"), ord("b")])

@@ -131,6 +131,19 @@ class GrammarState:
         if accepted:
             m.rollback(accepted)
 
+    def fill_after(self, bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
+        """Row ``row`` of ``bitmask``: what the grammar allows after ``tokens`` (accepted tentatively, then
+        rolled back). Where it does not allow ``tokens`` the row is left as it is."""
+        m, n = self.matcher, 0
+        for tok in tokens:
+            if m.is_terminated() or not m.accept_token(tok):
+                break
+            n += 1
+        if n == len(tokens):
+            self._fill(bitmask, row)
+        if n:
+            m.rollback(n)
+
     def _fill(self, bitmask: torch.Tensor, row: int) -> None:
         if self.matcher.is_terminated():
             bitmask[row] = -1  # finished: the stop check ends the request; nothing left to constrain

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from specserve.sample.grammar import apply_grammar, bitmask_words
 from specserve.sample.sampler import process_logits
 from specserve.spec_decode.proposer import Draft, ProposeRequest
 
@@ -26,10 +27,10 @@ DraftStep = Callable[[list[list[int]], list[int], list[tuple[int, ...]]], torch.
 class DraftModelProposer:
     writes_kv = True
 
-    def __init__(self, step: DraftStep, shares_target_kv: bool, vocab_size: int) -> None:
+    def __init__(self, step: DraftStep, shares_target_kv: bool, vocab_size: int, grammar: bool = True) -> None:
         self.step = step
         self.shares_target_kv = shares_target_kv
-        self.sampler = DraftSampler(vocab_size)
+        self.sampler = DraftSampler(vocab_size, grammar)
         # req_id -> (L, drafts fed at positions L, L+1, ...): what the draft cache holds past the history.
         self._fed: dict[str, tuple[int, list[int]]] = {}
 
@@ -98,10 +99,15 @@ def draft_chain(reqs: list[ProposeRequest], logits: torch.Tensor, sampler: Draft
 class DraftSampler:
     """Draft token per request: argmax for greedy requests, a sample from the draft's processed
     distribution q otherwise (q is returned for exact rejection sampling). Seeded requests draw from their
-    own generator (seed + 0x5EED), so a seeded request drafts the same alone or in any batch."""
+    own generator (seed + 0x5EED), so a seeded request drafts the same alone or in any batch.
 
-    def __init__(self, vocab_size: int) -> None:
+    ``grammar``: a structured-output request's draft distribution is masked by its grammar after the drafts
+    so far (grammar-aware drafting), so the draft proposes its best token the grammar allows instead of one
+    the drafter would cut; q is the masked distribution, which keeps rejection sampling exact."""
+
+    def __init__(self, vocab_size: int, grammar: bool = True) -> None:
         self.vocab_size = vocab_size
+        self.grammar = grammar
         self._generators: dict[str, torch.Generator] = {}
 
     def drop(self, req_id: str) -> None:
@@ -110,11 +116,19 @@ class DraftSampler:
     def sample(self, logits: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]
                ) -> tuple[list[int], torch.Tensor | None]:
         logits = logits[:, :self.vocab_size]
-        # The draft's q: the request's processing (bias, min_tokens, penalties over output + drafts so far) but
-        # no grammar (the drafter cuts drafts the grammar forbids; q may be anything, exactness holds).
+        # The draft's q: the request's processing (bias, min_tokens, penalties over output + drafts so far);
+        # the grammar is applied below, at the state after the drafts so far (q may be anything: exact).
         states = [replace(r.state, output_token_ids=r.state.output_token_ids + d, generator=None, grammar=None)
                   for r, d in zip(reqs, drafts, strict=True)]
         processed = process_logits(logits, states, [1] * len(reqs), [[] for _ in reqs])  # [B, V]
+        masked = [j for j, r in enumerate(reqs) if r.state.grammar is not None] if self.grammar else []
+        if masked:
+            bitmask = torch.full((len(masked), bitmask_words(processed.shape[1])), -1, dtype=torch.int32)
+            for row, j in enumerate(masked):
+                grammar = reqs[j].state.grammar
+                assert grammar is not None
+                grammar.fill_after(bitmask, row, drafts[j])
+            apply_grammar(processed, masked, bitmask)
         if all(r.state.params.greedy for r in reqs):
             return processed.argmax(dim=-1).tolist(), None
         q = torch.softmax(processed, dim=-1)

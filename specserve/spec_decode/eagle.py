@@ -55,10 +55,10 @@ class EagleProposer:
     writes_kv = True
 
     def __init__(self, step: EagleStep, feature_size: int, vocab_size: int, topk: int = 1, max_nodes: int = 0,
-                 choose_nodes: ChooseNodes | None = None) -> None:
+                 choose_nodes: ChooseNodes | None = None, grammar: bool = True) -> None:
         self.step = step
         self.feature_size = feature_size  # the target's feature per position: n feature layers x hidden
-        self.sampler = DraftSampler(vocab_size)
+        self.sampler = DraftSampler(vocab_size, grammar)
         self._valid: dict[str, int] = {}  # req_id -> head KV holds true entries for positions below this
         self.topk, self.max_nodes = topk, max_nodes
         self.choose_nodes = choose_nodes

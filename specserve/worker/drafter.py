@@ -147,19 +147,22 @@ class Drafter:
             step = self._logits_step(self.model, self.kv_caches, block_size, None)
             if self.model.tp is not None:
                 step = self.mirror.wrap("draft", step)
-            return DraftModelProposer(self._timed(step), shares_target_kv=False, vocab_size=arch.vocab_size)
+            return DraftModelProposer(self._timed(step), shares_target_kv=False, vocab_size=arch.vocab_size,
+                                      grammar=spec_config.grammar_drafts)
         if spec_config.method == "eagle":
             assert isinstance(self.model, EagleHead)
             step = self.mirror.wrap("eagle", eagle_step(self.target, self.model, self.kv_caches[0], block_size, device))
             return EagleProposer(self._timed(step), arch.hidden_size * self.model.cfg.num_feature_layers,
                                  arch.vocab_size, spec_config.eagle_topk, spec_config.num_draft_tokens or 0,
-                                 lambda probs: self.controller.choose_tree_sizes(probs, self._other_rows))
+                                 lambda probs: self.controller.choose_tree_sizes(probs, self._other_rows),
+                                 grammar=spec_config.grammar_drafts)
         if spec_config.method == "layer_skip":
             layers = spec_config.draft_layers or max(1, arch.num_layers // 4)
             if layers >= arch.num_layers:
                 raise SpecserveError(f"--draft-layers {layers} must be below the target's {arch.num_layers} layers")
             step = self.mirror.wrap("layer_skip", self._logits_step(self.target, target_kv[:layers], block_size, layers))
-            return DraftModelProposer(self._timed(step), shares_target_kv=True, vocab_size=arch.vocab_size)
+            return DraftModelProposer(self._timed(step), shares_target_kv=True, vocab_size=arch.vocab_size,
+                                      grammar=spec_config.grammar_drafts)
         raise SpecserveError(f"speculative method {spec_config.method!r} is not available in this build")
 
     def _logits_step(self, model: LlamaModel, kv: list[torch.Tensor], block_size: int, layers: int | None):
