@@ -237,8 +237,9 @@ class Drafter:
         EAGLE head must catch up on before it drafts).
 
         Structured outputs (``--no-grammar-drafts`` turns this off): where the request's grammar forces the
-        next tokens, those are its drafts (free, source "grammar"); a proposer's draft is cut at the first
-        token the grammar forbids, before the target spends a verification slot on it."""
+        next tokens, those are its drafts (free, source "grammar"); a draft model or head drafts among the
+        tokens the grammar allows (its ``DraftSampler``); any draft is cut at the first token the grammar
+        forbids, before the target spends a verification slot on it."""
         assert self.proposer is not None, "Drafter.start was not called"
         proposer, controller = self.proposer, self.controller
         use_grammar = self.spec_config.grammar_drafts
