@@ -134,15 +134,11 @@ class GrammarState:
     def fill_after(self, bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
         """Row ``row`` of ``bitmask``: what the grammar allows after ``tokens`` (accepted tentatively, then
         rolled back). Where it does not allow ``tokens`` the row is left as it is."""
-        m, n = self.matcher, 0
-        for tok in tokens:
-            if m.is_terminated() or not m.accept_token(tok):
-                break
-            n += 1
+        n = self._advance(tokens)
         if n == len(tokens):
             self._fill(bitmask, row)
         if n:
-            m.rollback(n)
+            self.matcher.rollback(n)
 
     def _fill(self, bitmask: torch.Tensor, row: int) -> None:
         if self.matcher.is_terminated():
@@ -150,20 +146,24 @@ class GrammarState:
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
-    def accept(self, tokens: list[int]) -> None:
-        for tok in tokens:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(tok):
-                break  # only the stop token after completion, or ignore_eos: the mask no longer applies
-
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many leading ``tokens`` the grammar accepts from the current state (the matcher is unchanged)."""
+    def _advance(self, tokens: list[int]) -> int:
+        """Accept ``tokens`` up to the first the grammar does not allow (or its end); how many it accepted."""
         m, n = self.matcher, 0
         for tok in tokens:
             if m.is_terminated() or not m.accept_token(tok):
                 break
             n += 1
+        return n
+
+    def accept(self, tokens: list[int]) -> None:
+        # Stops early only on the stop token after completion, or with ignore_eos: the mask no longer applies.
+        self._advance(tokens)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from the current state (the matcher is unchanged)."""
+        n = self._advance(tokens)
         if n:
-            m.rollback(n)
+            self.matcher.rollback(n)
         return n
 
     def forced_tokens(self, limit: int) -> list[int]:
