@@ -77,7 +77,7 @@ class CpuFusedOps(TorchOps):
         if args is None:
             return None
         h, delta, kept = torch.ops.specserve_cpu.decoder_stack(
-            h, None, *args[0], positions, *args[1], kv_caches, meta.slot_mapping, meta.block_tables,
+            h, *args[0], positions, *args[1], kv_caches, meta.slot_mapping, meta.block_tables,
             meta.query_start_loc, meta.seq_lens, *args[2], sorted(t - 1 for t in taps if t <= len(layers)),
             meta.tree_base, meta.tree_mask)
         return h, delta, kept

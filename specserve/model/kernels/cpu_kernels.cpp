@@ -875,9 +875,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 // Layers in turn, each as decoder_layer: one call per forward instead of one per layer (the per-call Python
 // and dispatch cost, ~30 arguments parsed, times the layer count). Per-layer arguments come as lists, one
 // entry per layer; ``taps``: 0-based layers whose output h + delta is also returned (an EAGLE head's
-// features). Returns (h, delta) after the last layer, as the layer loop in Python would have them.
+// features). ``h``: the first layer's input (no delta pending). Returns (h, delta) after the last layer, as
+// the layer loop in Python would have them.
 std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_stack(
-    const at::Tensor& h_in, const c10::optional<at::Tensor>& delta_in, at::TensorList input_norms,
+    const at::Tensor& h_in, at::TensorList input_norms,
     at::TensorList post_norms, double eps, at::TensorList qkv_codes, at::TensorList qkv_scales,
     const c10::List<c10::optional<at::Tensor>>& qkv_mins, const c10::List<c10::optional<at::Tensor>>& qkv_biases,
     at::TensorList o_codes, at::TensorList o_scales, const c10::List<c10::optional<at::Tensor>>& o_mins,
@@ -889,6 +890,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_stack(
     at::IntArrayRef windows, at::IntArrayRef taps, const std::optional<at::Tensor>& tree_base,
     const std::optional<at::Tensor>& tree_mask) {
   const size_t L = kv_caches.size();
+  TORCH_CHECK(L > 0, "decoder_stack: no layers");
   TORCH_CHECK(input_norms.size() == L && post_norms.size() == L && qkv_codes.size() == L &&
               qkv_scales.size() == L && qkv_mins.size() == L && qkv_biases.size() == L && o_codes.size() == L &&
               o_scales.size() == L && o_mins.size() == L && gate_up_codes.size() == L &&
@@ -896,7 +898,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_stack(
               down_scales.size() == L && down_mins.size() == L && cos.size() == L && sin.size() == L &&
               windows.size() == L, "decoder_stack: one entry per layer in every list");
   at::Tensor h = h_in;
-  c10::optional<at::Tensor> delta = delta_in;
+  c10::optional<at::Tensor> delta;
   std::vector<at::Tensor> kept;
   size_t next_tap = 0;
   for (size_t i = 0; i < L; ++i) {
@@ -934,7 +936,7 @@ TORCH_LIBRARY(specserve_cpu, m) {
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_heads, "
         "int num_kv_heads, float scale, int window, Tensor? tree_base=None, Tensor? tree_mask=None) "
         "-> (Tensor, Tensor)");
-  m.def("decoder_stack(Tensor h, Tensor? delta, Tensor[] input_norms, Tensor[] post_norms, float eps, "
+  m.def("decoder_stack(Tensor h, Tensor[] input_norms, Tensor[] post_norms, float eps, "
         "Tensor[] qkv_codes, Tensor[] qkv_scales, Tensor?[] qkv_mins, Tensor?[] qkv_biases, Tensor[] o_codes, "
         "Tensor[] o_scales, Tensor?[] o_mins, Tensor[] gate_up_codes, Tensor[] gate_up_scales, "
         "Tensor?[] gate_up_mins, Tensor[] down_codes, Tensor[] down_scales, Tensor?[] down_mins, "
