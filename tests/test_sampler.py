@@ -14,6 +14,7 @@ from specserve.sample.sampler import (
     compute_logprobs,
     probs_from_logits,
     process_logits,
+    row_argmax,
 )
 from specserve.sampling_params import SamplingParams
 
@@ -166,3 +167,27 @@ def test_state_create_seeds_generator() -> None:
     assert a.generator is not None and b.generator is not None
     assert torch.equal(torch.rand(4, generator=a.generator), torch.rand(4, generator=b.generator))
     assert RequestSamplingState.create(SamplingParams(), []).generator is None
+
+
+def test_row_argmax_is_torch_argmax():
+    """The fast CPU argmax (numpy's) picks what ``torch.argmax`` picks: the first of tied maxima, index 0 for
+    an all -inf row, the same on strided views; other dtypes go through torch."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4099)
+    x[1, 7] = x[1, 4000] = x[1].max() + 1.0  # a tie: the first index wins
+    x[2] = -INF
+    x[3] = 0.0
+    x[4, 4098] = 1e30
+    for t in (x, x[:, ::3], x[::2], x.to(torch.bfloat16), x[:1]):
+        assert row_argmax(t) == t.argmax(dim=-1).tolist()
+
+
+def test_greedy_rows_without_processing_are_not_copied():
+    """Greedy rows with nothing to apply come back as they are (no [N, V] copy per step); anything to apply
+    works on a copy."""
+    logits = torch.randn(3, 50)
+    greedy = RequestSamplingState.create(SamplingParams(temperature=0.0), [1, 2])
+    assert process_logits(logits, [greedy], [3], [[4, 5]]) is logits
+    biased = RequestSamplingState.create(SamplingParams(temperature=0.0, logit_bias={3: 5.0}), [1, 2])
+    out = process_logits(logits, [biased], [3], [[4, 5]])
+    assert out is not logits and torch.equal(out[:, 3], logits[:, 3] + 5.0)

@@ -105,6 +105,7 @@ def test_draft_sampler_drafts_what_the_grammar_allows(compiler):
     assert raw.sample(logits, [req(0.0)], [[ord("a")]])[0] == [ord("z")]
     toks, q = masked.sample(logits, [req(1.0)], [[ord("x")]])
     assert toks == [ord("y")] and q is not None and allowed(q[0].log()) == [ord("y")]
+    assert logits[0, ord("z")] == 9.0  # masking works on a copy: the draft's logits are not modified
 
 
 def test_grammar_outranks_min_tokens_where_only_eos_is_left(compiler):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.platform import to_device
-from specserve.sample.sampler import RequestSamplingState, row_starts
+from specserve.sample.sampler import RequestSamplingState, row_argmax, row_starts
 
 
 @dataclass(slots=True)
@@ -69,6 +69,15 @@ def verify(processed_logits: torch.Tensor, states: list[RequestSamplingState], r
     _check_inputs(processed_logits, states, row_counts, drafts, draft_probs)
     if not states:
         return []
+    if all(s.params.greedy for s in states):  # the common case: one argmax per row, compared on the host
+        best = row_argmax(processed_logits)
+        emitted = []
+        for start, d in zip(row_starts(row_counts), drafts, strict=True):
+            n = 0
+            while n < len(d) and d[n] == best[start + n]:
+                n += 1
+            emitted.append([*d[:n], best[start + n]])
+        return emitted
     logits = processed_logits.float()  # [N, V]
     layout = _Layout.build(row_counts, drafts, logits.device)
     greedy = [i for i, s in enumerate(states) if s.params.greedy]
@@ -97,7 +106,7 @@ def _verify_greedy(logits: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor,
     Accepted drafts equal the argmax at their row, so the emitted tokens are argmax[:num_acc + 1].
     """
     k_max = layout.valid.shape[1]
-    argmax = logits.argmax(dim=-1)[layout.row_idx]  # [B, K + 1]
+    argmax = to_device(row_argmax(logits), logits.device, torch.long)[layout.row_idx]  # [B, K + 1]
     match = (layout.draft_ids[:, :k_max] == argmax[:, :k_max]) & layout.valid  # [B, K]
     return argmax, _num_accepted(match)
 
@@ -255,7 +264,7 @@ def verify_tree(processed_logits: torch.Tensor, state: RequestSamplingState, tok
         raise ValueError(f"bad tree: {processed_logits.shape[0]} rows for {n} nodes, parents {parents}")
     kids = tree_children(parents)
     if state.params.greedy:
-        best = processed_logits.argmax(dim=-1).tolist()
+        best = row_argmax(processed_logits)
         row = 0
         emitted: list[int] = []
         path: list[int] = []

@@ -51,6 +51,17 @@ class RequestSamplingState:
         return cls(params, list(prompt_token_ids), [], gen, min_tokens_stop_ids, grammar)
 
 
+def row_argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax of [N, V] logits (the first index of the row's maximum, as ``torch.argmax``).
+
+    NOTE: on CPU, fp32 rows go through numpy's SIMD argmax: torch 2.13's CPU argmax scans a 49k-token row at
+    about 1 element per ns (43 us; 6 rows 127-285 us with 2 threads), numpy in 4.7 us (22 us for 6 rows),
+    and a greedy step takes one per row to verify and one per draft token."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def row_starts(row_counts: list[int]) -> list[int]:
     """Index of each request's first row in the flat [N, V] logits."""
     return [0, *accumulate(row_counts)][:-1]
@@ -65,16 +76,22 @@ def process_logits(logits: torch.Tensor, states: list[RequestSamplingState], row
     1. repetition penalty over prompt + output (+ drafts[:j] at row j): logit > 0 → logit / rp, else logit * rp;
     2. frequency / presence penalties over output (+ drafts[:j]): logit -= freq * count + presence * (count > 0);
     3. non-greedy rows only: temperature, top-k, top-p, min-p (masked entries become -inf).
-    Greedy rows get only the penalties (their argmax is the greedy token). The input is not modified.
+    Greedy rows get only the penalties (their argmax is the greedy token). The input is not modified; where
+    nothing applies (greedy rows, no bias, min_tokens, grammar or penalty) fp32 logits come back as they are,
+    not copied: callers must not modify the result in place.
     """
     n_rows, vocab = logits.shape
     if sum(row_counts) != n_rows or len(states) != len(row_counts) or len(drafts) != len(states):
         raise ValueError(f"inconsistent batch: {n_rows} logit rows, row_counts={row_counts}, "
                          f"{len(states)} states, {len(drafts)} drafts")
+    constrained = any(s.params.logit_bias or s.params.min_tokens or s.grammar is not None for s in states)
+    penalized = any(s.params.uses_penalties for s in states)
+    if not constrained and not penalized and all(s.params.greedy for s in states):
+        return logits.float()
     out = logits.to(torch.float32, copy=True)  # [N, V]
-    if any(s.params.logit_bias or s.params.min_tokens or s.grammar is not None for s in states):
+    if constrained:
         _apply_constraints(out, states, row_counts, drafts)
-    if any(s.params.uses_penalties for s in states):
+    if penalized:
         _apply_penalties(out, states, row_counts, drafts)
 
     # Per-row sampling parameters (Python lists → one tensor each; rows of greedy requests are neutral).

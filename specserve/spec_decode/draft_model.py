@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from specserve.sample.grammar import apply_grammar, bitmask_words
-from specserve.sample.sampler import process_logits
+from specserve.sample.sampler import process_logits, row_argmax
 from specserve.spec_decode.proposer import Draft, ProposeRequest
 
 # (tokens to feed per request, start position per request, block ids per request) -> [B, vocab] logits at
@@ -122,25 +122,25 @@ class DraftSampler:
                   for r, d in zip(reqs, drafts, strict=True)]
         processed = process_logits(logits, states, [1] * len(reqs), [[] for _ in reqs])  # [B, V]
         if self.grammar and any(r.state.grammar is not None for r in reqs):
-            self._mask(processed, reqs, drafts)
+            processed = self._mask(processed, reqs, drafts)
         if all(r.state.params.greedy for r in reqs):
-            return processed.argmax(dim=-1).tolist(), None
+            return row_argmax(processed), None
         q = torch.softmax(processed, dim=-1)
         noise = torch.empty_like(q)
         for j, r in enumerate(reqs):
             noise[j].exponential_(generator=self._generator(r, q.device))
         sampled = (q / noise).argmax(dim=-1)  # exponential race: an exact sample from q
         greedy = torch.tensor([r.state.params.greedy for r in reqs], device=q.device)
-        toks = torch.where(greedy, processed.argmax(dim=-1), sampled)
+        toks = torch.where(greedy, torch.tensor(row_argmax(processed), device=q.device), sampled)
         return toks.tolist(), q
 
     @staticmethod
-    def _mask(processed: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]) -> None:
-        """Grammar requests' rows of ``processed`` masked by their grammar after their drafts so far. A greedy
-        row whose argmax the grammar allows is left as it is (its draft is the same; filling a mask costs
-        tens of microseconds)."""
+    def _mask(processed: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]) -> torch.Tensor:
+        """``processed`` with grammar requests' rows masked by their grammar after their drafts so far (a
+        copy where a row is masked: ``process_logits`` may return its input). A greedy row whose argmax the
+        grammar allows is left as it is (its draft is the same; filling a mask costs tens of microseconds)."""
         masked = []
-        best = processed.argmax(dim=-1).tolist()
+        best = row_argmax(processed)
         for j, r in enumerate(reqs):
             grammar = r.state.grammar
             if grammar is None:
@@ -149,13 +149,15 @@ class DraftSampler:
                 continue
             masked.append(j)
         if not masked:
-            return
+            return processed
         bitmask = torch.full((len(masked), bitmask_words(processed.shape[1])), -1, dtype=torch.int32)
         for row, j in enumerate(masked):
             grammar = reqs[j].state.grammar
             assert grammar is not None
             grammar.fill_after(bitmask, row, drafts[j])
+        processed = processed.clone()
         apply_grammar(processed, masked, bitmask)
+        return processed
 
     def _generator(self, r: ProposeRequest, device: torch.device) -> torch.Generator | None:
         seed = r.state.params.seed
