@@ -194,6 +194,12 @@ def test_fused_ops_match_torch_ops():
         assert (a - b).abs().max().item() < 1e-5
     assert (TorchOps().add_norm(h, None, norm)[1] - CpuFusedOps().add_norm(h, None, norm)[1]).abs().max() < 1e-5
     assert torch.equal(CpuFusedOps().add_norm(h, delta, norm)[0], h + delta)  # the residual add is exact
+    chunked = RMSNorm(hidden // 4, 1e-6, torch.float32, torch.device("cpu"), chunks=4)  # an EAGLE-3 feature norm
+    chunked.weight.data.normal_()
+    h[:, :hidden // 4] = 0.0  # an all-zero chunk (a drafting step's missing feature layers) stays zero
+    got = CpuFusedOps().add_norm(h, None, chunked)[1]
+    assert (TorchOps().add_norm(h, None, chunked)[1] - got).abs().max().item() < 1e-5
+    assert torch.equal(got[:, :hidden // 4], torch.zeros(t, hidden // 4))
     rope = RotaryEmbedding(d, 64, 10000.0, None, torch.float32, torch.device("cpu"))
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
     positions = torch.tensor([3, 9, 10, 11, 40, 41, 0])

@@ -718,7 +718,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
 // embedding of q and k with the K/V write into the paged cache.
 
 // y = x / sqrt(mean(x^2) + eps) * w for each row of x [T, Hd]; with delta: h += delta first (in place).
-void add_rms_norm_rows(float* h, const float* delta, const float* w, float* y, int64_t T, int64_t Hd, double eps) {
+// w_rows > 1: row t takes weight row t % w_rows of w [w_rows, Hd] (a row of several vectors normed apart).
+void add_rms_norm_rows(float* h, const float* delta, const float* w_all, float* y, int64_t T, int64_t Hd, double eps,
+                       int64_t w_rows = 1) {
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* hr = h + t * Hd;
@@ -729,19 +731,22 @@ void add_rms_norm_rows(float* h, const float* delta, const float* w, float* y, i
       double ss = 0.0;
       for (int64_t i = 0; i < Hd; ++i) ss += static_cast<double>(hr[i]) * hr[i];
       const float inv = static_cast<float>(1.0 / std::sqrt(ss / Hd + eps));
+      const float* w = w_all + (t % w_rows) * Hd;
       float* yr = y + t * Hd;
       for (int64_t i = 0; i < Hd; ++i) yr[i] = w[i] * (hr[i] * inv);
     }
   });
 }
 
+// weight [Hd], or [C, Hd] for rows of C vectors each normed on its own (x [..., C * Hd]).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: fp32 only");
+  TORCH_CHECK(weight.dim() <= 2 && weight.numel() == x.size(-1), "rms_norm: weight does not match x");
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty_like(xc);
-  const int64_t Hd = xc.size(-1);
+  const int64_t Hd = weight.size(-1), chunks = weight.dim() == 2 ? weight.size(0) : 1;
   add_rms_norm_rows(xc.data_ptr<float>(), nullptr, weight.contiguous().data_ptr<float>(), y.data_ptr<float>(),
-                    xc.numel() / Hd, Hd, eps);
+                    xc.numel() / Hd, Hd, eps, chunks);
   return y;
 }
 
