@@ -39,41 +39,33 @@ double clock_ghz() {
   return 4.0 * n / seconds(t0) / 1e9;
 }
 
-// Instructions per second over 12 independent accumulator chains (no latency limit).
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) double vpdpbusd_per_s() {
-  __m512i a[12];
-  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);
-  __m512i w = _mm512_set1_epi8(3), v = _mm512_set1_epi8(5);
-  const int64_t n = 50000000;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < n; ++i) {
-#pragma GCC unroll 12
-    for (int j = 0; j < 12; ++j) a[j] = _mm512_dpbusd_epi32(a[j], w, v);
-    asm volatile("" : "+v"(w));
-  }
-  const double s = seconds(t0);
-  int sink = 0;
-  for (int i = 0; i < 12; ++i) sink += _mm_cvtsi128_si32(_mm512_castsi512_si128(a[i]));
-  asm volatile("" : : "r"(sink));
+// Instructions per second over 12 independent accumulator chains (no latency limit): a[j] = STEP(a[j], w).
+#define CHAINS_PER_S(V, INIT, W, STEP, LOW32)                                    \
+  V a[12];                                                                       \
+  for (int i = 0; i < 12; ++i) a[i] = INIT;                                      \
+  V w = W;                                                                       \
+  const int64_t n = 50000000;                                                    \
+  const auto t0 = std::chrono::steady_clock::now();                              \
+  for (int64_t i = 0; i < n; ++i) {                                              \
+    _Pragma("GCC unroll 12") for (int j = 0; j < 12; ++j) a[j] = STEP(a[j], w);  \
+    asm volatile("" : "+v"(w));                                                  \
+  }                                                                              \
+  const double s = seconds(t0);                                                  \
+  int sink = 0;                                                                  \
+  for (int i = 0; i < 12; ++i) sink += LOW32(a[i]);                              \
+  asm volatile("" : : "r"(sink));                                                \
   return 12.0 * n / s;
+
+#define DPBUSD(a, w) _mm512_dpbusd_epi32(a, w, w)
+#define LOW512(v) _mm_cvtsi128_si32(_mm512_castsi512_si128(v))
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) double vpdpbusd_per_s() {
+  CHAINS_PER_S(__m512i, _mm512_set1_epi32(1), _mm512_set1_epi8(3), DPBUSD, LOW512)
 }
 
-__attribute__((target("avx2"))) double vpmaddwd_add_per_s() {  // the row layout's pair: multiply-add, add
-  __m256i a[12];
-  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_epi32(i);
-  __m256i w = _mm256_set1_epi16(3), v = _mm256_set1_epi16(5);
-  const int64_t n = 50000000;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < n; ++i) {
-#pragma GCC unroll 12
-    for (int j = 0; j < 12; ++j) a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(w, v));
-    asm volatile("" : "+v"(w));
-  }
-  const double s = seconds(t0);
-  int sink = 0;
-  for (int i = 0; i < 12; ++i) sink += _mm_cvtsi128_si32(_mm256_castsi256_si128(a[i]));
-  asm volatile("" : : "r"(sink));
-  return 12.0 * n / s;
+#define MADDWD_ADD(a, w) _mm256_add_epi32(a, _mm256_madd_epi16(w, w))  // the row layout's pair
+#define LOW256(v) _mm_cvtsi128_si32(_mm256_castsi256_si128(v))
+__attribute__((target("avx2"))) double vpmaddwd_add_per_s() {
+  CHAINS_PER_S(__m256i, _mm256_set1_epi32(1), _mm256_set1_epi16(3), MADDWD_ADD, LOW256)
 }
 """
 
