@@ -86,6 +86,8 @@ class EagleProposer:
         tree = [i for i, r in enumerate(reqs) if self.topk > 1 and tree_eligible(r.state)]
         if len(tree) == len(reqs):
             return self._trees(reqs, logits, pred)
+        if not tree:  # chains only: no row selection (a copy of the [B, V] logits)
+            return self._chains(reqs, logits, pred)
         in_tree = set(tree)
         chain = [i for i in range(len(reqs)) if i not in in_tree]
         out: list[Draft] = [Draft([])] * len(reqs)
