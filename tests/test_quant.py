@@ -194,6 +194,12 @@ def test_fused_ops_match_torch_ops():
         assert (a - b).abs().max().item() < 1e-5
     assert (TorchOps().add_norm(h, None, norm)[1] - CpuFusedOps().add_norm(h, None, norm)[1]).abs().max() < 1e-5
     assert torch.equal(CpuFusedOps().add_norm(h, delta, norm)[0], h + delta)  # the residual add is exact
+    gu = torch.randn(t, 2 * 13) * 4  # 13: a tail past the 8-lane blocks
+    gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -88.5])
+    g, u = gu.split(13, dim=-1)
+    act = torch.ops.specserve_cpu.silu_mul(gu)  # what decoder_layer and CpuFusedOps.mlp use for SiLU * up
+    assert torch.allclose(act, torch.nn.functional.silu(g) * u, rtol=1e-6, atol=1e-30)
+    assert torch.equal(torch.ops.specserve_cpu.silu_mul(gu[3:4]), act[3:4])  # a row alone: the same bits
     chunked = RMSNorm(hidden // 4, 1e-6, torch.float32, torch.device("cpu"), chunks=4)  # an EAGLE-3 feature norm
     chunked.weight.data.normal_()
     h[:, :hidden // 4] = 0.0  # an all-zero chunk (a drafting step's missing feature layers) stays zero

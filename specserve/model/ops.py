@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -38,8 +39,12 @@ class TorchOps:
         if layer.attn_out_norm is not None:
             delta = layer.attn_out_norm(delta)
         h, x = self.add_norm(h, delta, layer.post_norm)
-        out = layer.mlp(x)
+        out = self.mlp(layer.mlp, x)
         return h, out if layer.mlp_out_norm is None else layer.mlp_out_norm(out)
+
+    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The layer's feed-forward block on x [T, hidden]."""
+        return mlp(x)
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +96,13 @@ class CpuFusedOps(TorchOps):
         if delta is None:
             return h, torch.ops.specserve_cpu.rms_norm(h, norm.weight, norm.eps)
         return torch.ops.specserve_cpu.add_rms_norm(h, delta, norm.weight, norm.eps)
+
+    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A gated SiLU MLP with the C++ ``silu_mul`` (what ``decoder_layer`` uses, so a layer run op by op
+        computes what the fused call does); anything else as the module computes it."""
+        if not isinstance(mlp, GatedMLP) or mlp.act != "silu" or mlp.reduce is not None or x.dtype != torch.float32:
+            return mlp(x)
+        return mlp.linear(torch.ops.specserve_cpu.silu_mul(mlp.linear(x, mlp.gate_up)), mlp.down)
 
     def qkv_rope_write(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, num_heads: int,
                        num_kv_heads: int, kv_cache: torch.Tensor, meta: AttentionMetadata,
