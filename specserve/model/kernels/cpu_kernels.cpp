@@ -480,12 +480,14 @@ inline void touch(const void* p, int64_t bytes) {
 // One chunk of one row: keys rows[0 .. n) (slot bases: KV head g's K row at + g * D, its V row at + v_off),
 // all H heads (q [H, D]). Writes o [H, D], m [H], l [H]; ``scores`` is scratch.
 //
-// NOTE: the score loop also touches, per block of 8 keys, the block's V rows (weigh_values reads them after
-// all scores, one KV head's slice per pass) and the next block's K rows, so those come from memory while the
-// scores compute rather than each on its first use. Demo model, fp16 cache, the attention's share of a decode
-// step in the engine, 4 interleaved pairs of runs: context ~330 0.86-1.12 -> 0.68-0.80 ms, context ~1450
-// 2.41-2.81 -> 1.87-2.26 ms (2 threads, AVX-512 EPYC). Software prefetches of the same lines (at the chunk's
-// start, or per block) measured no gain. The loads change no result.
+// NOTE: before any score, the chunk's K and V rows are read, one byte of every line (demand loads: the CPU
+// keeps many in flight, as the rows' lines are independent), so they come from memory together rather than
+// each on its first use; in the engine a step's weights evict them between layers. Demo model, fp16 cache,
+// attention's share of a decode step (timer build, 3 alternating pairs against the loads this replaced: per
+// block of 8 keys, its V rows and the next block's K rows): context 300 0.57-0.67 ms against 0.69-0.80,
+// context 1400 1.88-2.08 against 2.46-2.60; 5 tokens at 300 alike (1.52-1.94 against 1.61-2.03). Those
+// per-block loads had taken context ~330 from 0.86-1.12 ms to 0.68-0.80. Software prefetches of the same
+// lines (per block, or the chunk's at its start) measured no gain. The loads change no result.
 template <typename KV>
 void attend_chunk(const float* q, const KV* const* rows, int64_t n, int64_t v_off, int H, int H_kv, int64_t D,
                   float scale, float* o, float* m, float* l, std::vector<float>& scores) {
@@ -494,10 +496,12 @@ void attend_chunk(const float* q, const KV* const* rows, int64_t n, int64_t v_of
   const int64_t row_bytes = H_kv * D * static_cast<int64_t>(sizeof(KV));  // one slot's K (or V) row, all KV heads
   scores.assign(static_cast<size_t>(H * stride), -INFINITY);
   const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t p = 0; p < n; ++p) {  // every line of the chunk's K and V rows, first (see the NOTE above)
+    touch(rows[p], row_bytes);
+    touch(rows[p] + v_off, row_bytes);
+  }
   // Scores: per block of 8 keys, every head in turn (the block's K rows, all KV heads, stay in L1).
   for (int64_t p = 0; p < full; p += 8) {
-    for (int j = 0; j < 8; ++j) touch(rows[p + j] + v_off, row_bytes);
-    for (int64_t j = p + 8; j < std::min(n, p + 16); ++j) touch(rows[j], row_bytes);
     for (int h = 0; h < H; ++h) {  // 8 keys at once, reduced together (one hadd tree)
       const float* qh = q + h * D;
       const int64_t g = (h / per_kv) * D;
@@ -513,7 +517,6 @@ void attend_chunk(const float* q, const KV* const* rows, int64_t n, int64_t v_of
       _mm256_storeu_ps(scores.data() + h * stride + p, _mm256_mul_ps(sums, vscale));
     }
   }
-  for (int64_t p = full; p < n; ++p) touch(rows[p] + v_off, row_bytes);
   for (int h = 0; h < H; ++h) {
     const float* qh = q + h * D;
     const int64_t g = (h / per_kv) * D;
