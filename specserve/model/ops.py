@@ -90,7 +90,7 @@ class CpuFusedOps(TorchOps):
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         if norm.chunks > 1:
-            if delta is not None or h.dtype != torch.float32:
+            if delta is not None:
                 return super().add_norm(h, delta, norm)
             return h, torch.ops.specserve_cpu.rms_norm(h, norm.weight.view(norm.chunks, norm.dim), norm.eps)
         if delta is None:

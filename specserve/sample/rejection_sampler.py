@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.platform import to_device
-from specserve.sample.sampler import RequestSamplingState, row_argmax, row_starts
+from specserve.sample.sampler import RequestSamplingState, argmax_rows, row_argmax, row_starts
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ def _verify_greedy(logits: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor,
     Accepted drafts equal the argmax at their row, so the emitted tokens are argmax[:num_acc + 1].
     """
     k_max = layout.valid.shape[1]
-    argmax = to_device(row_argmax(logits), logits.device, torch.long)[layout.row_idx]  # [B, K + 1]
+    argmax = argmax_rows(logits)[layout.row_idx]  # [B, K + 1]
     match = (layout.draft_ids[:, :k_max] == argmax[:, :k_max]) & layout.valid  # [B, K]
     return argmax, _num_accepted(match)
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from specserve.sample.grammar import apply_grammar, bitmask_words
-from specserve.sample.sampler import process_logits, row_argmax
+from specserve.sample.sampler import argmax_rows, process_logits, row_argmax
 from specserve.spec_decode.proposer import Draft, ProposeRequest
 
 # (tokens to feed per request, start position per request, block ids per request) -> [B, vocab] logits at
@@ -131,7 +131,7 @@ class DraftSampler:
             noise[j].exponential_(generator=self._generator(r, q.device))
         sampled = (q / noise).argmax(dim=-1)  # exponential race: an exact sample from q
         greedy = torch.tensor([r.state.params.greedy for r in reqs], device=q.device)
-        toks = torch.where(greedy, torch.tensor(row_argmax(processed), device=q.device), sampled)
+        toks = torch.where(greedy, argmax_rows(processed), sampled)
         return toks.tolist(), q
 
     @staticmethod
