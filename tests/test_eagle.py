@@ -237,6 +237,17 @@ def test_quantized_target_gets_an_8bit_head_and_stays_exact(tiny):
     want, got = dense_head.fuse(embeds, feats), head.fuse(embeds, feats)
     assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
     assert not torch.equal(got, want)  # the packed weights are in use
+    # Drafting steps 2..k read the head's own prediction of the last layer only: the packed head's shortcut
+    # (fc's embedding and last-layer columns) gives the same bits as zeros in the other layers' slots.
+    assert head._own is not None
+    own = feats[:, -64:]
+    fast = head.fuse(embeds, own)
+    saved, head._own = head._own, None
+    try:
+        slow = head.fuse(embeds, own)
+    finally:
+        head._own = saved
+    assert torch.equal(fast, slow)
     sd, ref_sd = head.hf_state_dict(), dense_head.hf_state_dict()  # saving a packed head dequantizes
     assert sd.keys() == ref_sd.keys()
     assert all((sd[n] - ref_sd[n]).abs().max().item() <= 0.01 * ref_sd[n].abs().max().item() + 1e-6 for n in sd)
