@@ -161,9 +161,12 @@ def test_cpu_weights_keep_fp16_scales_when_exact(bits):
 
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_paged_attention_matches_torch_reference(kv_dtype):
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 32), (8, 2, 64), (4, 4, 48), (4, 2, 40)])
+def test_cpu_paged_attention_matches_torch_reference(kv_dtype, heads, kv_heads, d):
+    """Head sizes that are multiples of 16 take the 512-bit code on CPUs with AVX-512 (40: the 256-bit code
+    everywhere); 3 heads per KV head are one set, 4 are a set of 3 and a set of 1, 1 is a set of its own."""
     torch.manual_seed(0)
-    bs, heads, kv_heads, d = 16, 6, 2, 32
+    bs = 16
     kv = torch.randn(2, 60, bs, kv_heads, d).to(kv_dtype)
     # rows of one chunk (<= 64 keys), of 64-key chunks (120, 300) and of 128-key chunks (700)
     q_lens, seq_lens = [1, 5, 37, 1, 3, 2], [300, 120, 37, 17, 3, 700]

@@ -488,9 +488,167 @@ inline void touch(const void* p, int64_t bytes) {
 // context 1400 1.88-2.08 against 2.46-2.60; 5 tokens at 300 alike (1.52-1.94 against 1.61-2.03). Those
 // per-block loads had taken context ~330 from 0.86-1.12 ms to 0.68-0.80. Software prefetches of the same
 // lines (per block, or the chunk's at its start) measured no gain. The loads change no result.
+// ---------------------------------------------------------------------------------------------------------
+// The same chunk with 512-bit vectors, for CPUs with AVX-512 and head sizes that are multiples of 16 (chosen
+// in attend_chunk, per CPU: a row's result still depends only on its own keys). The heads of a KV group share
+// each K and V row load (up to three at a time), and a score takes D / 16 fused multiply-adds: about half the
+// instructions of the 256-bit code, which a verification's extra rows spend almost all their attention time
+// on (the chunk's K and V rows are in cache after the first row).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
+
+inline __m512 kv16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 kv16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 kv16(const at::BFloat16* p) {  // bf16 -> fp32: the 16 bits become the high half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// exp8 (above) on 16 lanes: the same operations, so the same value in every lane.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Four keys' sums of a[j] (16 lanes each) -> [s0, s1, s2, s3], in a fixed order.
+inline __m128 sum4(const __m512 a[4]) {
+  __m256 y[4];
+  for (int j = 0; j < 4; ++j)
+    y[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Scores of HG heads (q rows qh, HG <= 3) of one KV group (K at offset g of each row) for the chunk's n keys.
+template <typename KV, int HG>
+void scores512(const float* qh, int64_t D, const KV* const* rows, int64_t g, int64_t n, float scale, float* sc,
+               int64_t stride) {
+  const int64_t full = n / 4 * 4;
+  const __m128 vscale = _mm_set1_ps(scale);
+  for (int64_t p = 0; p < full; p += 4) {
+    __m512 acc[HG][4];
+    for (int h = 0; h < HG; ++h)
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512 k = kv16(rows[p + j] + g + d);
+        for (int h = 0; h < HG; ++h) acc[h][j] = _mm512_fmadd_ps(k, _mm512_loadu_ps(qh + h * D + d), acc[h][j]);
+      }
+    }
+    for (int h = 0; h < HG; ++h) _mm_storeu_ps(sc + h * stride + p, _mm_mul_ps(sum4(acc[h]), vscale));
+  }
+  for (int64_t p = full; p < n; ++p) {
+    for (int h = 0; h < HG; ++h) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(kv16(rows[p] + g + d), _mm512_loadu_ps(qh + h * D + d), acc);
+      sc[h * stride + p] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+// out[h] = sum_p w[h][p] V_p for HG <= 3 heads of one KV group, 64 dims at a time (each V row loaded once for
+// all HG heads), the rest 16 at a time; keys in order.
+template <typename KV, int HG>
+void values512(const float* e, int64_t stride, const KV* const* rows, int64_t v_off, int64_t n, int64_t D,
+               float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) {
+    __m512 acc[HG][4];
+    for (int h = 0; h < HG; ++h)
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < n; ++p) {
+      const KV* vrow = rows[p] + v_off + d0;
+      __m512 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = kv16(vrow + 16 * j);
+      for (int h = 0; h < HG; ++h) {
+        const __m512 w = _mm512_set1_ps(e[h * stride + p]);
+        for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(w, v[j], acc[h][j]);
+      }
+    }
+    for (int h = 0; h < HG; ++h)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + h * D + d0 + 16 * j, acc[h][j]);
+  }
+  for (; d0 < D; d0 += 16) {
+    __m512 acc[HG];
+    for (int h = 0; h < HG; ++h) acc[h] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < n; ++p) {
+      const __m512 v = kv16(rows[p] + v_off + d0);
+      for (int h = 0; h < HG; ++h) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(e[h * stride + p]), v, acc[h]);
+    }
+    for (int h = 0; h < HG; ++h) _mm512_storeu_ps(out + h * D + d0, acc[h]);
+  }
+}
+
+// attend_chunk (below) with the loops above; the softmax between them is the 256-bit code's.
+template <typename KV>
+void attend_chunk512(const float* q, const KV* const* rows, int64_t n, int64_t v_off, int H, int H_kv, int64_t D,
+                     float scale, float* o, float* m, float* l, std::vector<float>& scores) {
+  const int per_kv = H / H_kv;
+  const int64_t stride = (n + 15) / 16 * 16;
+  const int64_t row_bytes = H_kv * D * static_cast<int64_t>(sizeof(KV));
+  scores.resize(static_cast<size_t>(H * stride));
+  for (int h = 0; h < H; ++h) std::fill(scores.begin() + h * stride + n, scores.begin() + (h + 1) * stride, -INFINITY);
+  for (int64_t p = 0; p < n; ++p) {  // every line of the chunk's K and V rows, first (see attend_chunk)
+    touch(rows[p], row_bytes);
+    touch(rows[p] + v_off, row_bytes);
+  }
+  for (int h0 = 0; h0 < H;) {  // heads in sets of up to three within a KV group
+    const int64_t g = (h0 / per_kv) * D;
+    const int hg = std::min(3, per_kv - h0 % per_kv);
+    float* sc = scores.data() + h0 * stride;
+    if (hg == 3) scores512<KV, 3>(q + h0 * D, D, rows, g, n, scale, sc, stride);
+    else if (hg == 2) scores512<KV, 2>(q + h0 * D, D, rows, g, n, scale, sc, stride);
+    else scores512<KV, 1>(q + h0 * D, D, rows, g, n, scale, sc, stride);
+    h0 += hg;
+  }
+  for (int h = 0; h < H; ++h) {
+    float* sh = scores.data() + h * stride;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t p = 0; p < stride; p += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + p));
+    m[h] = _mm512_reduce_max_ps(mx);
+    const __m512 mv = _mm512_set1_ps(m[h]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t p = 0; p < stride; p += 16) {  // padding holds -inf: exp gives (about) 0
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + p), mv));
+      _mm512_storeu_ps(sh + p, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    l[h] = _mm512_reduce_add_ps(sum);
+  }
+  for (int h0 = 0; h0 < H;) {
+    const int64_t voff = v_off + (h0 / per_kv) * D;
+    const int hg = std::min(3, per_kv - h0 % per_kv);
+    const float* e = scores.data() + h0 * stride;
+    if (hg == 3) values512<KV, 3>(e, stride, rows, voff, n, D, o + h0 * D);
+    else if (hg == 2) values512<KV, 2>(e, stride, rows, voff, n, D, o + h0 * D);
+    else values512<KV, 1>(e, stride, rows, voff, n, D, o + h0 * D);
+    h0 += hg;
+  }
+}
+
+#pragma GCC pop_options
+
+const bool kAttention512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+
 template <typename KV>
 void attend_chunk(const float* q, const KV* const* rows, int64_t n, int64_t v_off, int H, int H_kv, int64_t D,
                   float scale, float* o, float* m, float* l, std::vector<float>& scores) {
+  if (kAttention512 && D % 16 == 0) {
+    attend_chunk512<KV>(q, rows, n, v_off, H, H_kv, D, scale, o, m, l, scores);
+    return;
+  }
   const int per_kv = H / H_kv;
   const int64_t stride = (n + 7) / 8 * 8, full = n / 8 * 8;
   const int64_t row_bytes = H_kv * D * static_cast<int64_t>(sizeof(KV));  // one slot's K (or V) row, all KV heads
@@ -650,12 +808,26 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
           if (c < chunks_of(t)) items.emplace_back(t, c);
     }
     std::vector<float> part(static_cast<size_t>(start[T] * per));
-    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    // Each thread takes a contiguous run of items (a chunk's rows stay in one core's cache) holding an equal
+    // share of the keys: a split by item count gave one thread the short last chunks and left the other
+    // waiting ~15 % of a 6-row verification at 1400 keys.
+    const int64_t num_items = static_cast<int64_t>(items.size());
+    std::vector<int64_t> cum(num_items + 1, 0);
+    for (int64_t i = 0; i < num_items; ++i) {
+      const auto [t, c] = items[i];
+      cum[i + 1] = cum[i] + std::min(chunk_keys(n_of[t]), n_of[t] - c * chunk_keys(n_of[t]));
+    }
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+    at::parallel_for(0, threads, 1, [&](int64_t j0, int64_t j1) {
       std::vector<float> scores;
       std::vector<const KV*> rows;
-      for (int64_t i = i0; i < i1; ++i) {
-        const auto [t, c] = items[i];
-        run_chunk(t, c, part.data() + (start[t] + c) * per, rows, scores);
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t i0 = std::lower_bound(cum.begin(), cum.end(), cum[num_items] * j / threads) - cum.begin();
+        const int64_t i1 = std::lower_bound(cum.begin(), cum.end(), cum[num_items] * (j + 1) / threads) - cum.begin();
+        for (int64_t i = i0; i < i1; ++i) {
+          const auto [t, c] = items[i];
+          run_chunk(t, c, part.data() + (start[t] + c) * per, rows, scores);
+        }
       }
     });
     at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
