@@ -355,3 +355,28 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         assert len(err) == 1 and "not a multiple of the group size 32" in err[0], err
         assert err[0].startswith("specserve: error:") and "--quantization none" in err[0]
     assert main(args + ["--quantization", "auto"]) == 0  # a float checkpoint: auto leaves it float
+
+
+def test_abandoned_kernel_build_lock_is_removed(tmp_path):
+    """torch's extension builder waits for its lock file without a limit: a lock older than a build could
+    take (a process killed while building) is removed, before the build and while it waits; a fresh one
+    (another process building now) is left alone."""
+    import os
+    import time
+
+    from specserve.model import kernels
+
+    lock = tmp_path / "lock"
+    assert not kernels.remove_stale_lock(str(tmp_path))  # no lock
+    lock.touch()
+    assert not kernels.remove_stale_lock(str(tmp_path)) and lock.exists()  # fresh: someone is building
+    old = time.time() - kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert kernels.remove_stale_lock(str(tmp_path)) and not lock.exists()
+    with kernels._stale_lock_watch(str(tmp_path), every_s=0.02):  # what _build wraps torch's load() in
+        lock.touch()
+        os.utime(lock, (old, old))
+        deadline = time.time() + 10
+        while lock.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        assert not lock.exists()
