@@ -82,6 +82,61 @@ def test_stream_content_holds_back_a_starting_tag():
     assert plan3.stream_content('  {"name"') == "" and plan3.stream_content("Sure, it is") == "Sure, it is"
 
 
+def _stream(plan, text: str, step: int = 3) -> tuple[str, dict, int]:
+    """The server's deltas for ``text`` released ``step`` characters at a time, then finished, reassembled
+    as a client does: (content, {index: [id, name, arguments]}, tool-call entries sent)."""
+    from types import SimpleNamespace
+
+    from specserve.server.serving import _tool_deltas
+
+    content, calls, entries, sent = "", {}, 0, {}
+    for n in [*range(0, len(text), step), len(text)]:
+        comp = SimpleNamespace(index=0, text=text[:n] if n < len(text) else text, finished=n == len(text))
+        for d in _tool_deltas(plan, comp, n, sent)[0]:
+            content += d.get("content", "")
+            for t in d.get("tool_calls", []):
+                entries += 1
+                if t["index"] not in calls:  # OpenAI's shape: id, type and name first, then argument pieces
+                    assert t["id"].startswith("call_") and t["type"] == "function" and t["function"]["name"]
+                    calls[t["index"]] = [t["id"], t["function"]["name"], t["function"]["arguments"]]
+                else:
+                    assert "id" not in t and "name" not in t["function"]
+                    calls[t["index"]][2] += t["function"]["arguments"]
+    return content, calls, entries
+
+
+@pytest.mark.parametrize(("parser", "choice", "text"), [
+    ("hermes", "auto", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris",'
+                       ' "unit":"c", "x": [1, {"y": "}"}]}}\n</tool_call>\n<tool_call>{"arguments": {"zone": '
+                       '"CET"}, "name": "get_time"}</tool_call>'),
+    ("llama3_json", "auto", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                            '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}'),
+    ("hermes", "required", '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_weather", '
+                           '"parameters": {"city": "Rome",  "unit": "c"}}]'),
+])
+def test_streamed_tool_calls_add_up_to_the_parsed_ones(parser, choice, text):
+    """Streamed, a call's id and name come once its name is complete and its arguments follow in pieces as the
+    model writes them; the pieces add up to the non-streamed ``arguments`` (the model's own text of the
+    object), and the content before the calls streams as content."""
+    final_content, final_calls = make_plan([WEATHER, TIME], choice, None, parser).parse(text)
+    plan = make_plan([WEATHER, TIME], choice, None, parser)
+    content, calls, entries = _stream(plan, text)
+    assert (content.strip() or None) == final_content  # streamed content keeps the blank before a call
+    assert [(name, args) for _, name, args in calls.values()] == [(c.name, c.arguments) for c in final_calls]
+    assert entries > 2 * len(final_calls)  # arguments in several pieces, not whole at the end
+    assert all(json.loads(c.arguments) for c in final_calls)
+    assert '"Pa\\"ris"' in final_calls[0].arguments or parser != "hermes" or choice != "auto"
+
+
+def test_a_streamed_call_that_turns_out_malformed_ends_as_content():
+    plan = make_plan([WEATHER, TIME], "auto", None, "hermes")
+    text = 'Hi <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}, oops</tool_call>'
+    assert plan.parse(text) == (text, [])
+    content, calls, _ = _stream(plan, text)
+    assert content == text  # the text before the call, then the rest when the parse fails
+    assert [name for _, name, _ in calls.values()] == ["get_time"]  # what was streamed cannot be taken back
+
+
 def test_tool_choice_grammars():
     required = make_plan([WEATHER, TIME], "required", False, "hermes").constraint()
     assert required is not None and isinstance(required.json, dict)
@@ -184,6 +239,8 @@ def test_auto_parses_the_models_call(client, stream):
     assert res["finish_reason"] == "tool_calls"
     assert [(t.function.name, _tool_args(t)) for t in res["tool_calls"]] == [("get_time", {"zone": "UTC"})]
     assert res["content"] == ("OK." if parser == "hermes" else None)
+    if stream:  # the call's arguments in pieces as the model writes them
+        assert res["pieces"] > 1
 
 
 def test_required_single_call(client):

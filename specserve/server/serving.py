@@ -223,7 +223,7 @@ async def chat_chunks(run: Run) -> AsyncGenerator[dict[str, Any], None]:
                 continue
             text, t0, t1 = step
             lp = proto.chat_logprobs(run.decode, (comp.logprobs or [])[t0:t1]) if want_lp else None
-            if plan is not None:  # content as it comes; tool calls when the choice ends
+            if plan is not None:  # content and tool calls as they come
                 deltas, num_calls = _tool_deltas(plan, comp, run.deltas[comp.index].sent, content_sent)
                 for d in deltas:
                     yield chunk(comp.index, d, lp, None)
@@ -243,8 +243,8 @@ def _tool_deltas(plan: ToolPlan, comp: CompletionOutput, released: int, sent: di
                  ) -> tuple[list[dict[str, Any]], int]:
     """Deltas for a choice of a request with tools, and its number of tool calls so far. A named tool choice
     streams the call's arguments as they come (the output is them); otherwise content that cannot be a
-    tool call yet (``sent``: characters streamed per choice), and at the end the rest of the content and
-    one ``tool_calls`` entry per call."""
+    tool call yet (``sent``: characters streamed per choice), each call's id and name and then pieces of its
+    arguments as they come (``ToolPlan.stream_calls``), and at the end the rest of both."""
     done = sent.get(comp.index, 0)
     if plan.mode == "named":  # the output is the call's arguments: stream them as they come
         text = comp.text if comp.finished else comp.text[:released]
@@ -256,16 +256,21 @@ def _tool_deltas(plan: ToolPlan, comp: CompletionOutput, released: int, sent: di
             piece = {"index": 0, "id": plan.call_id(comp.index), "type": "function",
                      "function": {"name": plan.named, "arguments": text}}
         return [{"tool_calls": [piece]}], 1
-    if not comp.finished:
-        content = plan.stream_content(comp.text[:released])
-        sent[comp.index] = max(done, len(content))
-        return ([{"content": content[done:]}] if len(content) > done else []), 0
     out: list[dict[str, Any]] = []
+    if not comp.finished:
+        text = comp.text[:released]
+        content = plan.stream_content(text)
+        sent[comp.index] = max(done, len(content))
+        if len(content) > done:
+            out.append({"content": content[done:]})
+        if pieces := plan.stream_calls(comp.index, text):
+            out.append({"tool_calls": pieces})
+        return out, plan.num_streamed(comp.index)
     final, calls = plan.parse(comp.text)
     if final and len(final) > done and final.startswith(comp.text[:done]):
         out.append({"content": final[done:]})
-    if calls:
-        out.append({"tool_calls": [c.as_dict(k) for k, c in enumerate(calls)]})
+    if calls and (pieces := plan.finish_calls(comp.index, calls)):
+        out.append({"tool_calls": pieces})
     return out, len(calls)
 
 

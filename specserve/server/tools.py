@@ -12,14 +12,17 @@ enforced by a grammar, the model's text parsed into ``message.tool_calls``.
   when ``parallel_tool_calls`` is false), each ``parameters`` valid under its function's schema.
 - a named function: the grammar forces that function's arguments object.
 
-A parsed output ends with ``finish_reason: "tool_calls"``. Streaming a named choice sends the call's id and
-name with the first piece of its arguments, then the rest of the arguments as they come; otherwise the text
-before a call streams as content deltas and each call is one ``delta.tool_calls`` entry (id, name and the
-whole arguments string) when the choice ends.
+A parsed output ends with ``finish_reason: "tool_calls"``. Streamed, as OpenAI streams them: the text before
+the calls as content deltas; each call's id and name (with empty arguments) once its name is complete; then
+its arguments in pieces as the model writes them (``scan_calls``). The pieces of a call add up to its
+``arguments`` string, which is the arguments object's text as the model wrote it, in both modes. A call the
+final parse does not accept (malformed JSON) cannot be taken back: its streamed pieces stay, and the rest of
+the output follows as content.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -48,9 +51,124 @@ class ToolCall:
         return out
 
 
-def _new_call(name: str, arguments: Any) -> ToolCall:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+def _new_call(name: str, arguments: Any, raw: str | None = None) -> ToolCall:
+    """``raw``: the arguments object's text as the model wrote it (kept as is, so a stream's pieces, which
+    are that text, add up to it)."""
+    if isinstance(arguments, dict) and raw is not None:
+        args = raw
+    else:
+        args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, args)
+
+
+def _call_from(text: str, start: int) -> ToolCall:
+    """The call object at ``text[start:]`` (a complete JSON object with a string "name"); ValueError,
+    TypeError or KeyError otherwise."""
+    obj, end = json.JSONDecoder().raw_decode(text, start)
+    if not isinstance(obj, dict) or not isinstance(obj["name"], str):
+        raise TypeError("not a call object")
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    scan = scan_call(text[:end], start)
+    raw = text[scan.args_start:scan.args_end] if scan.args_start is not None and scan.args_complete else None
+    return _new_call(obj["name"], arguments, raw)
+
+
+# -- streaming: calls scanned as far as the output goes --------------------------------------------------------
+@dataclass
+class PartialCall:
+    """A call object as far as the text goes (offsets into that text)."""
+
+    name: str | None = None  # once its string is complete
+    args_start: int | None = None  # where the arguments value starts ("arguments" or "parameters")
+    args_end: int = 0  # how far the arguments value goes (its end once complete)
+    args_complete: bool = False
+    end: int | None = None  # after the object's closing brace, once complete
+
+
+def _skip_ws(text: str, i: int, extra: str = "") -> int:
+    while i < len(text) and (text[i].isspace() or text[i] in extra):
+        i += 1
+    return i
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """After the JSON string starting at ``text[i]`` (a quote); None where it does not end in ``text``."""
+    j = i + 1
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+        elif text[j] == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def _value_end(text: str, i: int) -> tuple[int, bool]:
+    """(how far, complete) for the JSON value starting at ``text[i]``."""
+    if text[i] == '"':
+        end = _string_end(text, i)
+        return (end, True) if end is not None else (len(text), False)
+    if text[i] in "{[":
+        depth, j = 0, i
+        while j < len(text):
+            ch = text[j]
+            if ch == '"':
+                end = _string_end(text, j)
+                if end is None:
+                    return len(text), False
+                j = end
+                continue
+            if ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1, True
+            j += 1
+        return len(text), False
+    j = i
+    while j < len(text) and text[j] not in ",}] \t\r\n":
+        j += 1
+    return j, j < len(text)
+
+
+def scan_call(text: str, start: int) -> PartialCall:
+    """The call object whose ``{`` is ``text[start]``, as far as ``text`` goes: its name once complete, the
+    extent of its arguments value, its end. Stops quietly at anything that is not JSON (the final parse
+    decides about it)."""
+    call = PartialCall()
+    j = _skip_ws(text, start + 1)
+    while j < len(text):
+        if text[j] == "}":
+            call.end = j + 1
+            return call
+        if text[j] != '"':
+            return call
+        key_end = _string_end(text, j)
+        if key_end is None:
+            return call
+        try:
+            key = json.loads(text[j:key_end])
+        except ValueError:
+            return call
+        j = _skip_ws(text, key_end)
+        if j >= len(text) or text[j] != ":":
+            return call
+        j = _skip_ws(text, j + 1)
+        if j >= len(text):
+            return call
+        end, complete = _value_end(text, j)
+        if key == "name" and text[j] == '"' and complete:
+            with contextlib.suppress(ValueError):
+                name = json.loads(text[j:end])
+                call.name = name if isinstance(name, str) else None
+        elif key in ("arguments", "parameters") and call.args_start is None and text[j] == "{":
+            call.args_start, call.args_end, call.args_complete = j, end, complete
+        if not complete:
+            return call
+        j = _skip_ws(text, end, ",")
+    return call
 
 
 def detect_parser(chat_template: str | None) -> str:
@@ -73,6 +191,8 @@ class ToolPlan:
     named: str | None = None
     parallel: bool = True
     _ids: dict[int, str] = field(default_factory=dict)
+    # per choice, the calls streamed so far: [id, the arguments text sent]
+    _streamed: dict[int, list[list[str]]] = field(default_factory=dict)
 
     def call_id(self, choice: int) -> str:
         """The id of a named choice's call in choice ``choice`` (the same in every chunk)."""
@@ -115,7 +235,15 @@ class ToolPlan:
         if self.mode == "required":
             try:
                 items = json.loads(text)
-                return None, [_new_call(c["name"], c.get("parameters", {})) for c in items]
+                if not isinstance(items, list):
+                    raise TypeError("not a list of calls")
+                decoder, calls, j = json.JSONDecoder(), [], _skip_ws(text, text.index("[") + 1)
+                while j < len(text) and text[j] == "{":
+                    calls.append(_call_from(text, j))
+                    j = _skip_ws(text, decoder.raw_decode(text, j)[1], ",")
+                if len(calls) != len(items):
+                    raise ValueError("an item is not a call object")
+                return None, calls
             except (ValueError, TypeError, KeyError):  # cut by max_tokens: the text stays content
                 return text, []
         return parse_hermes(text) if self.parser == "hermes" else parse_llama3_json(text)
@@ -140,15 +268,86 @@ class ToolPlan:
         return text
 
 
+    def scan_calls(self, text: str) -> list[PartialCall]:
+        """The calls of an ``auto`` or ``required`` output so far, in order (offsets into ``text``)."""
+        calls: list[PartialCall] = []
+        if self.mode == "required":  # [{"name": ..., "parameters": {...}}, ...]
+            j = _skip_ws(text, 0)
+            if j >= len(text) or text[j] != "[":
+                return calls
+            j = _skip_ws(text, j + 1)
+            sep = ","
+        elif self.parser == "hermes":  # <tool_call>{...}</tool_call> blocks
+            at = 0
+            while (k := text.find(_HERMES_OPEN, at)) >= 0:
+                j = _skip_ws(text, k + len(_HERMES_OPEN))
+                if j >= len(text) or text[j] != "{":
+                    break
+                calls.append(scan_call(text, j))
+                end = calls[-1].end
+                if end is None:
+                    break
+                at = end
+            return calls
+        else:  # llama3_json: [<|python_tag|>]{...}; {...}
+            j = _skip_ws(text, 0)
+            if text.startswith(_PYTHON_TAG, j):
+                j = _skip_ws(text, j + len(_PYTHON_TAG))
+            sep = ";"
+        while j < len(text) and text[j] == "{":
+            calls.append(scan_call(text, j))
+            end = calls[-1].end
+            if end is None:
+                break
+            j = _skip_ws(text, end, sep)
+        return calls
+
+    def stream_calls(self, choice: int, text: str) -> list[dict[str, Any]]:
+        """``delta.tool_calls`` entries for choice ``choice`` with output ``text`` so far: a call's id and name
+        (with what there is of its arguments) once its name is complete, then each new piece of its
+        arguments."""
+        state = self._streamed.setdefault(choice, [])
+        pieces: list[dict[str, Any]] = []
+        for k, call in enumerate(self.scan_calls(text)):
+            if call.name is None:
+                break
+            args = text[call.args_start:call.args_end] if call.args_start is not None else ""
+            if k == len(state):
+                state.append([f"call_{uuid.uuid4().hex[:24]}", args])
+                pieces.append({"index": k, "id": state[k][0], "type": "function",
+                               "function": {"name": call.name, "arguments": args}})
+            elif len(args) > len(state[k][1]):
+                pieces.append({"index": k, "function": {"arguments": args[len(state[k][1]):]}})
+                state[k][1] = args
+        return pieces
+
+    def finish_calls(self, choice: int, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """The ``delta.tool_calls`` entries that complete choice ``choice``'s streamed calls: the rest of the
+        arguments of those already announced, and the calls not yet announced whole."""
+        state = self._streamed.get(choice, [])
+        pieces: list[dict[str, Any]] = []
+        for k, call in enumerate(calls):
+            if k >= len(state):
+                pieces.append(call.as_dict(k))
+            elif call.arguments.startswith(state[k][1]) and len(call.arguments) > len(state[k][1]):
+                pieces.append({"index": k, "function": {"arguments": call.arguments[len(state[k][1]):]}})
+        return pieces
+
+    def num_streamed(self, choice: int) -> int:
+        return len(self._streamed.get(choice, []))
+
+
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     start = text.find(_HERMES_OPEN)
     if start < 0:
         return text, []
     calls = []
     for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[start:], flags=re.DOTALL):
+        block = block.strip()
         try:
-            obj = json.loads(block.strip())
-            calls.append(_new_call(str(obj["name"]), obj.get("arguments", obj.get("parameters", {}))))
+            if json.JSONDecoder().raw_decode(block)[1] != len(block):
+                raise ValueError("text after the call object")
+            calls.append(_call_from(block, 0))
         except (ValueError, TypeError, KeyError):
             return text, []  # not a well-formed call: the whole text is the answer
     content = text[:start].strip()
@@ -162,8 +361,8 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(body):
         try:
-            obj, end = decoder.raw_decode(body, at)
-            calls.append(_new_call(str(obj["name"]), obj.get("parameters", obj.get("arguments", {}))))
+            end = decoder.raw_decode(body, at)[1]
+            calls.append(_call_from(body, at))
         except (ValueError, TypeError, KeyError):
             return text, []
         at = end
