@@ -75,9 +75,10 @@ def test_parser_detection():
 
 def test_stream_content_holds_back_a_starting_tag():
     plan = make_plan([WEATHER], "auto", None, "hermes")
-    assert plan.stream_content("Hello <tool") == "Hello "
-    assert plan.stream_content("Hello <tool_call>{") == "Hello "
+    assert plan.stream_content("Hello <tool") == "Hello"
+    assert plan.stream_content("Hello <tool_call>{") == "Hello"
     assert plan.stream_content("Hello there") == "Hello there"
+    assert plan.stream_content("Hello there \n") == "Hello there"  # blanks wait: a call may follow
     plan3 = make_plan([WEATHER], "auto", None, "llama3_json")
     assert plan3.stream_content('  {"name"') == "" and plan3.stream_content("Sure, it is") == "Sure, it is"
 
@@ -121,11 +122,17 @@ def test_streamed_tool_calls_add_up_to_the_parsed_ones(parser, choice, text):
     final_content, final_calls = make_plan([WEATHER, TIME], choice, None, parser).parse(text)
     plan = make_plan([WEATHER, TIME], choice, None, parser)
     content, calls, entries = _stream(plan, text)
-    assert (content.strip() or None) == final_content  # streamed content keeps the blank before a call
+    assert (content or None) == final_content
     assert [(name, args) for _, name, args in calls.values()] == [(c.name, c.arguments) for c in final_calls]
     assert entries > 2 * len(final_calls)  # arguments in several pieces, not whole at the end
     assert all(json.loads(c.arguments) for c in final_calls)
     assert '"Pa\\"ris"' in final_calls[0].arguments or parser != "hermes" or choice != "auto"
+
+
+def test_streamed_content_without_calls_is_the_whole_text():
+    text = "Sure.\n\nIt is sunny in <b>Paris</b> today. \n"  # blanks held back mid-stream arrive at the end
+    for parser in ("hermes", "llama3_json"):
+        assert _stream(make_plan([WEATHER, TIME], "auto", None, parser), text)[:2] == (text, {})
 
 
 def test_a_streamed_call_that_turns_out_malformed_ends_as_content():

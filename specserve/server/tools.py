@@ -244,7 +244,8 @@ class ToolPlan:
 
     def stream_content(self, text: str) -> str:
         """The part of the output so far that is certainly message content (streamed as it comes); the rest
-        may become a tool call and waits for the end."""
+        may become a tool call and waits for the end. Hermes: trailing blanks wait too, as the content before a
+        call is sent without them (``parse_hermes`` strips it)."""
         if not self.active:
             return text
         if self.mode in ("required", "named"):
@@ -252,10 +253,10 @@ class ToolPlan:
         if self.parser == "hermes":
             at = text.find(_HERMES_OPEN)
             if at >= 0:
-                return text[:at]
+                return text[:at].rstrip()
             keep = next((n for n in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1)
                          if _HERMES_OPEN.startswith(text[-n:])), 0)  # a tag may be starting
-            return text[:len(text) - keep]
+            return text[:len(text) - keep].rstrip()
         head = text.lstrip()
         if not head or head.startswith(("{", "[")) or _PYTHON_TAG.startswith(head[:len(_PYTHON_TAG)]):
             return ""
