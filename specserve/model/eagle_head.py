@@ -132,7 +132,7 @@ class EagleHead(nn.Module):
         if n > 1 and features.shape[-1] == h and self._own is not None:
             # The other layers' slots would be zeros: their norm chunks stay zero and their groups add exactly
             # 0 to every sum of the quantized matmul, so leaving them out gives the same bits at a third of
-            # the work (test_eagle_own_feature_fast_path).
+            # the work (tests/test_eagle.py, test_quantized_target_gets_an_8bit_head_and_stays_exact).
             fc_own, norm_own = self._own
             if self.embed_norm is not None and norm_own is not None:
                 embeds = self.ops.add_norm(embeds, None, self.embed_norm)[1]

@@ -64,11 +64,11 @@ def _new_call(name: str, arguments: Any, raw: str | None = None) -> ToolCall:
 def _call_from(text: str, start: int) -> ToolCall:
     """The call object at ``text[start:]`` (a complete JSON object with a string "name"); ValueError,
     TypeError or KeyError otherwise."""
-    obj, end = json.JSONDecoder().raw_decode(text, start)
+    obj = json.JSONDecoder().raw_decode(text, start)[0]
     if not isinstance(obj, dict) or not isinstance(obj["name"], str):
         raise TypeError("not a call object")
     arguments = obj.get("arguments", obj.get("parameters", {}))
-    scan = scan_call(text[:end], start)
+    scan = scan_call(text, start)  # stops at the object's closing brace
     raw = text[scan.args_start:scan.args_end] if scan.args_start is not None and scan.args_complete else None
     return _new_call(obj["name"], arguments, raw)
 

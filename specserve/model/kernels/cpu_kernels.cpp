@@ -477,23 +477,13 @@ inline void touch(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) static_cast<void>(c[b]);
 }
 
-// One chunk of one row: keys rows[0 .. n) (slot bases: KV head g's K row at + g * D, its V row at + v_off),
-// all H heads (q [H, D]). Writes o [H, D], m [H], l [H]; ``scores`` is scratch.
-//
-// NOTE: before any score, the chunk's K and V rows are read, one byte of every line (demand loads: the CPU
-// keeps many in flight, as the rows' lines are independent), so they come from memory together rather than
-// each on its first use; in the engine a step's weights evict them between layers. Demo model, fp16 cache,
-// attention's share of a decode step (timer build, 3 alternating pairs against the loads this replaced: per
-// block of 8 keys, its V rows and the next block's K rows): context 300 0.57-0.67 ms against 0.69-0.80,
-// context 1400 1.88-2.08 against 2.46-2.60; 5 tokens at 300 alike (1.52-1.94 against 1.61-2.03). Those
-// per-block loads had taken context ~330 from 0.86-1.12 ms to 0.68-0.80. Software prefetches of the same
-// lines (per block, or the chunk's at its start) measured no gain. The loads change no result.
 // ---------------------------------------------------------------------------------------------------------
 // The same chunk with 512-bit vectors, for CPUs with AVX-512 and head sizes that are multiples of 16 (chosen
 // in attend_chunk, per CPU: a row's result still depends only on its own keys). The heads of a KV group share
 // each K and V row load (up to three at a time), and a score takes D / 16 fused multiply-adds: about half the
 // instructions of the 256-bit code, which a verification's extra rows spend almost all their attention time
-// on (the chunk's K and V rows are in cache after the first row).
+// on (the chunk's K and V rows are in cache after the first row). These are copies of the 256-bit loops below
+// at twice the width, not a shared template: code compiled for AVX-512 must stay out of the AVX2 path.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
 
@@ -590,7 +580,7 @@ void values512(const float* e, int64_t stride, const KV* const* rows, int64_t v_
   }
 }
 
-// attend_chunk (below) with the loops above; the softmax between them is the 256-bit code's.
+// attend_chunk (below) with the loops above and the softmax on 16 lanes (exp16).
 template <typename KV>
 void attend_chunk512(const float* q, const KV* const* rows, int64_t n, int64_t v_off, int H, int H_kv, int64_t D,
                      float scale, float* o, float* m, float* l, std::vector<float>& scores, bool load_first) {
@@ -599,7 +589,7 @@ void attend_chunk512(const float* q, const KV* const* rows, int64_t n, int64_t v
   const int64_t row_bytes = H_kv * D * static_cast<int64_t>(sizeof(KV));
   scores.resize(static_cast<size_t>(H * stride));
   for (int h = 0; h < H; ++h) std::fill(scores.begin() + h * stride + n, scores.begin() + (h + 1) * stride, -INFINITY);
-  for (int64_t p = 0; load_first && p < n; ++p) {  // every line of the chunk's K and V rows (see attend_chunk)
+  for (int64_t p = 0; load_first && p < n; ++p) {  // every line of the chunk's K and V rows (attend_chunk's NOTE)
     touch(rows[p], row_bytes);
     touch(rows[p] + v_off, row_bytes);
   }
@@ -642,6 +632,17 @@ void attend_chunk512(const float* q, const KV* const* rows, int64_t n, int64_t v
 const bool kAttention512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 
+// One chunk of one row: keys rows[0 .. n) (slot bases: KV head g's K row at + g * D, its V row at + v_off),
+// all H heads (q [H, D]). Writes o [H, D], m [H], l [H]; ``scores`` is scratch.
+//
+// NOTE: before any score, the chunk's K and V rows are read, one byte of every line (demand loads: the CPU
+// keeps many in flight, as the rows' lines are independent), so they come from memory together rather than
+// each on its first use; in the engine a step's weights evict them between layers. Demo model, fp16 cache,
+// attention's share of a decode step (timer build, 3 alternating pairs against the loads this replaced: per
+// block of 8 keys, its V rows and the next block's K rows): context 300 0.57-0.67 ms against 0.69-0.80,
+// context 1400 1.88-2.08 against 2.46-2.60; 5 tokens at 300 alike (1.52-1.94 against 1.61-2.03). Those
+// per-block loads had taken context ~330 from 0.86-1.12 ms to 0.68-0.80. Software prefetches of the same
+// lines (per block, or the chunk's at its start) measured no gain. The loads change no result.
 template <typename KV>
 void attend_chunk(const float* q, const KV* const* rows, int64_t n, int64_t v_off, int H, int H_kv, int64_t D,
                   float scale, float* o, float* m, float* l, std::vector<float>& scores, bool load_first = true) {
@@ -772,8 +773,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
     }
   }
   // Chunk c of token t: its keys first + c C .. (the slot bases of) at most C = chunk_keys(n) of them.
+  auto chunk_len = [&](int64_t t, int64_t c) { return std::min(chunk_keys(n_of[t]), n_of[t] - c * chunk_keys(n_of[t])); };
   auto chunk_rows = [&](int64_t t, int64_t c, std::vector<const KV*>& rows) -> int64_t {
-    const int64_t ck = chunk_keys(n_of[t]), k0 = c * ck, nc = std::min(ck, n_of[t] - k0);
+    const int64_t ck = chunk_keys(n_of[t]), k0 = c * ck, nc = chunk_len(t, c);
     const int32_t* table = tp + req_of[t] * ld_table;
     const int64_t* key_pos = tree_keys.empty() || tree_keys[t].empty() ? nullptr : tree_keys[t].data();
     rows.resize(static_cast<size_t>(nc));
@@ -817,7 +819,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
     std::vector<int64_t> cum(num_items + 1, 0);
     for (int64_t i = 0; i < num_items; ++i) {
       const auto [t, c] = items[i];
-      cum[i + 1] = cum[i] + std::min(chunk_keys(n_of[t]), n_of[t] - c * chunk_keys(n_of[t]));
+      cum[i + 1] = cum[i] + chunk_len(t, c);
     }
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
     at::parallel_for(0, threads, 1, [&](int64_t j0, int64_t j1) {
