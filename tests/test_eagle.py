@@ -206,6 +206,46 @@ def test_reduced_draft_vocab(tiny, reference):
     assert llm.get_metrics()["speculative"]["accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("kind", ["head", "head_small_vocab"])
+def test_greedy_fast_path_drafts_what_the_sampler_drafts(tiny, reference, kind):
+    """Plain greedy requests draft through ``EagleProposer._greedy_chains`` (token ids straight from the
+    head's argmax, no logits processing); a no-op logit bias sends the same requests through the sampler
+    path. Both must draft the same tokens, with and without a reduced draft vocabulary, in a batch of 4."""
+    path = tiny["head"]
+    if kind == "head_small_vocab":
+        head = EagleHead(EagleConfig.from_target(tiny["model"].arch), torch.float32, torch.device("cpu"), None, 1024)
+        from safetensors.torch import load_file
+
+        head.load_hf_state_dict(load_file(os.path.join(tiny["head"], "model.safetensors")), "head")
+        path = str(tiny["root"] / "head_fast_vocab")
+        save_eagle_head(head, path, draft_vocab=torch.arange(16, 200))
+    runs = []
+    for bias in (None, {0: 0.0}):
+        llm = LLM(tiny["target"], speculative_model=path, num_speculative_tokens=3, speculative_adaptive=False,
+                  max_num_seqs=4, **ENGINE)
+        proposer = llm.engine.runner.drafter.proposer
+        seen: list[tuple[list[int], list[int]]] = []
+        fast = []
+        original, chains = proposer.propose, proposer._greedy_chains
+
+        def record(reqs, original=original, seen=seen):
+            drafts = original(reqs)
+            seen.extend((list(r.token_ids), d.token_ids) for r, d in zip(reqs, drafts, strict=True))
+            return drafts
+
+        def count(*args, chains=chains, fast=fast):
+            fast.append(1)
+            return chains(*args)
+
+        proposer.propose, proposer._greedy_chains = record, count
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, logit_bias=bias))
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        runs.append((seen, len(fast)))
+    (plain, num_fast), (biased, num_biased) = runs
+    assert num_fast > 10 and num_biased == 0
+    assert len(plain) > 20 and plain == biased
+
+
 @pytest.mark.skipif(detect("cpu").quant_kernels != "cpu" or not load_cpu_kernels(),
                     reason="the C++ CPU kernels need an x86 CPU with AVX2 and a C++ compiler")
 def test_quantized_target_gets_an_8bit_head_and_stays_exact(tiny):

@@ -114,14 +114,22 @@ class EagleHead(nn.Module):
         self.draft_vocab = ids.to(self.device, torch.long)
         self.draft_lm_head = nn.Parameter(lm_head[self.draft_vocab].detach().clone(), requires_grad=False)
 
+    def reduced_logits(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """[B, hidden] normed prediction -> ([B, M] float logits over the draft vocabulary, its [M] token ids);
+        None without a reduced draft vocabulary."""
+        if self.draft_lm_head is None or self.draft_vocab is None:
+            return None
+        return self.linear(normed, self.draft_lm_head).float(), self.draft_vocab
+
     def draft_logits(self, normed: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor]
                      ) -> torch.Tensor:
         """[B, hidden] normed prediction -> [B, vocab] float logits; -inf outside the draft vocabulary.
         ``target_logits``: the target's LM head (``LlamaModel.compute_logits``), for a full-vocabulary head."""
-        if self.draft_lm_head is None or self.draft_vocab is None:
+        reduced = self.reduced_logits(normed)
+        if reduced is None:
             return target_logits(normed)
         out = torch.full((normed.shape[0], self.cfg.vocab_size), float("-inf"), device=normed.device)
-        out[:, self.draft_vocab] = self.linear(normed, self.draft_lm_head).float()
+        out[:, reduced[1]] = reduced[0]
         return out
 
     def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

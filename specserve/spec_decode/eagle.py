@@ -19,7 +19,9 @@ its own expanded ancestors, ``model/attention_metadata.TREE_DOC``; entry e of a 
 ``L + e``) and adds their b best children. The ``choose_nodes`` callback (the controller: measured step
 costs against the calibrated path probabilities) then keeps the best nodes, which go to verification
 ordered by depth, parents first. Requests whose logits processing depends on the drafts before a row
-(penalties, grammars, an unmet ``min_tokens``) draft chains.
+(penalties, grammars, an unmet ``min_tokens``) draft chains. A batch of plain greedy chains (``plain_greedy``)
+takes each step's argmax token ids from the step itself, over the head's reduced draft vocabulary, without
+building [B, vocab] logits or running the draft sampler.
 A feature the worker never saw (position 0, or the last position of a prefix-cache hit) is zeros, and a
 prefix-cached block written by a request that did not speculate holds stale head entries: both only cost
 acceptance, never exactness -- verification decides every emitted token.
@@ -36,9 +38,10 @@ from specserve.sample.sampler import RequestSamplingState
 from specserve.spec_decode.draft_model import DraftSampler, draft_chain
 from specserve.spec_decode.proposer import Draft, ProposeRequest
 
-# (tokens per request, features h_{p-1} per request [n_i, hidden], first position per request, block ids
-# [, tree rows]) -> ([B, vocab] logits at each request's last entry, [B, hidden] the head's predicted feature
-# there); with tree rows (``worker/input_batch.RowTree``) at every entry: [T, vocab], [T, hidden].
+# (tokens per request, features h_{p-1} per request [n_i, hidden] (or one [B, hidden] tensor), first position
+# per request, block ids [, tree rows [, greedy]]) -> ([B, vocab] logits at each request's last entry, [B, hidden]
+# the head's predicted feature there); with tree rows (``worker/input_batch.RowTree``) at every entry: [T, vocab],
+# [T, hidden]; with greedy=True [B] argmax token ids instead of the logits.
 EagleStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # Per request, its candidate nodes' draft path probabilities (descending) -> how many to verify.
 ChooseNodes = Callable[[list[list[float]]], list[int]]
@@ -49,6 +52,12 @@ def tree_eligible(state: RequestSamplingState) -> bool:
     penalties, no grammar, min_tokens met): a tree's rows are then processed like a chain's."""
     p = state.params
     return state.grammar is None and not p.uses_penalties and len(state.output_token_ids) >= (p.min_tokens or 0)
+
+
+def plain_greedy(state: RequestSamplingState) -> bool:
+    """Whether a request's draft is the argmax of the head's raw logits: greedy, and nothing in its logits
+    processing (no bias, penalties or grammar; min_tokens met)."""
+    return state.params.greedy and not state.params.logit_bias and tree_eligible(state)
 
 
 class EagleProposer:
@@ -71,6 +80,8 @@ class EagleProposer:
         return ""
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
+        tree = [i for i, r in enumerate(reqs) if self.topk > 1 and tree_eligible(r.state)]
+        greedy = not tree and all(plain_greedy(r.state) for r in reqs)
         toks, feats, starts = [], [], []
         for r in reqs:
             n = len(r.token_ids)
@@ -80,10 +91,14 @@ class EagleProposer:
             feats.append(self._features(f, first, start - 1, n - 1))
             starts.append(start)
         blocks = [r.block_ids for r in reqs]
-        logits, pred = self.step(toks, feats, starts, blocks)  # [B, V], [B, hidden]
+        if greedy:
+            ids, pred = self.step(toks, feats, starts, blocks, None, True)  # [B] token ids, [B, hidden]
+        else:
+            logits, pred = self.step(toks, feats, starts, blocks)  # [B, V], [B, hidden]
         for r in reqs:
             self._valid[r.req_id] = len(r.token_ids)
-        tree = [i for i, r in enumerate(reqs) if self.topk > 1 and tree_eligible(r.state)]
+        if greedy:
+            return self._greedy_chains(reqs, ids.tolist(), pred)
         if len(tree) == len(reqs):
             return self._trees(reqs, logits, pred)
         if not tree:  # chains only: no row selection (a copy of the [B, V] logits)
@@ -107,6 +122,24 @@ class EagleProposer:
             return logits
 
         return draft_chain(reqs, logits, self.sampler, advance)
+
+    def _greedy_chains(self, reqs: list[ProposeRequest], first: list[int], pred: torch.Tensor) -> list[Draft]:
+        """Chains for plain greedy requests (``plain_greedy``): each step's drafts are the head's argmax token
+        ids, with no logits processing and no [B, vocab] logits."""
+        drafts = [[t] for t in first]
+        active = [i for i, r in enumerate(reqs) if r.k > 1]
+        if len(active) < len(reqs):
+            pred = pred[active]
+        while active:
+            ids, pred = self.step([[drafts[i][-1]] for i in active], pred,
+                                  [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active],
+                                  [reqs[i].block_ids for i in active], None, True)
+            for i, t in zip(active, ids.tolist()):
+                drafts[i].append(t)
+            keep = [j for j, i in enumerate(active) if len(drafts[i]) < reqs[i].k]
+            if len(keep) < len(active):
+                active, pred = [active[j] for j in keep], pred[keep]
+        return [Draft(d) for d in drafts]
 
     def _trees(self, reqs: list[ProposeRequest], logits: torch.Tensor, pred: torch.Tensor) -> list[Draft]:
         """Dynamic draft trees of depth ``r.k`` (module docstring); [B, V] logits and [B, hidden] predicted

@@ -15,6 +15,7 @@ import torch
 from specserve.model.eagle_head import EagleHead
 from specserve.model.llama import LlamaModel
 from specserve.outputs import ScheduledRequest
+from specserve.sample.sampler import argmax_rows
 from specserve.spec_decode.eagle import EagleStep
 from specserve.worker.input_batch import RowTree, flat_batch
 
@@ -68,16 +69,25 @@ def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size
                device: torch.device) -> EagleStep:
     """The head's forward over a flat batch of entries, with the target's embedding, final norm and LM head:
     logits and predicted features at each request's last entry; with ``trees`` (a draft tree's expansion,
-    ``input_batch.pack_batch``) at every entry."""
-    def step(token_ids: list[list[int]], feats: list[torch.Tensor], starts: list[int],
-             block_ids: list[tuple[int, ...]], trees: list[RowTree | None] | None = None
+    ``input_batch.pack_batch``) at every entry. ``greedy``: [B] argmax token ids instead of logits (over the
+    head's draft vocabulary where it has one: the [B, vocab] logits are never built)."""
+    def step(token_ids: list[list[int]], feats: list[torch.Tensor] | torch.Tensor, starts: list[int],
+             block_ids: list[tuple[int, ...]], trees: list[RowTree | None] | None = None, greedy: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
         fb = flat_batch(token_ids, starts, block_ids, block_size, device, trees)
         with torch.inference_mode():
             embeds = target.embed_tokens(fb.input_ids)  # [T, hidden]
-            f = torch.cat(feats).to(device=device, dtype=embeds.dtype)  # [T, hidden]
-            pred = head(embeds, f, fb.positions, kv, fb.meta)  # [T, hidden]
-            last = pred if trees is not None else pred[fb.meta.query_start_loc[1:].long() - 1]  # [B or T, hidden]
+            f = feats if isinstance(feats, torch.Tensor) else torch.cat(feats)
+            pred = head(embeds, f.to(device=device, dtype=embeds.dtype), fb.positions, kv, fb.meta)  # [T, hidden]
+            if trees is not None or fb.meta.max_query_len == 1:
+                last = pred
+            else:
+                last = pred[fb.meta.query_start_loc[1:].long() - 1]  # [B, hidden]
             normed = target.ops.add_norm(last, None, target.norm)[1]
-            return head.draft_logits(normed, target.compute_logits), last
+            if not greedy:
+                return head.draft_logits(normed, target.compute_logits), last
+            reduced = head.reduced_logits(normed)
+            if reduced is None:
+                return argmax_rows(target.compute_logits(normed)[:, :head.cfg.vocab_size]), last
+            return reduced[1][argmax_rows(reduced[0])], last
     return step
