@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,10 +40,11 @@ from specserve.spec_decode.draft_model import DraftSampler, draft_chain
 from specserve.spec_decode.proposer import Draft, ProposeRequest
 
 # (tokens per request, features h_{p-1} per request [n_i, hidden] (or one [B, hidden] tensor), first position
-# per request, block ids [, tree rows [, greedy]]) -> ([B, vocab] logits at each request's last entry, [B, hidden]
+# per request, block ids [, tree rows [, top]]) -> ([B, vocab] logits at each request's last entry, [B, hidden]
 # the head's predicted feature there); with tree rows (``worker/input_batch.RowTree``) at every entry: [T, vocab],
-# [T, hidden]; with greedy=True [B] argmax token ids instead of the logits.
-EagleStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# [T, hidden]; with top = 1 [B] argmax token ids instead of the logits, with top = b > 1 ([B, b] log-probabilities,
+# [B, b] token ids) of the b most likely tokens.
+EagleStep = Callable[..., tuple[Any, torch.Tensor]]
 # Per request, its candidate nodes' draft path probabilities (descending) -> how many to verify.
 ChooseNodes = Callable[[list[list[float]]], list[int]]
 
@@ -92,7 +94,9 @@ class EagleProposer:
             starts.append(start)
         blocks = [r.block_ids for r in reqs]
         if greedy:
-            ids, pred = self.step(toks, feats, starts, blocks, None, True)  # [B] token ids, [B, hidden]
+            ids, pred = self.step(toks, feats, starts, blocks, None, 1)  # [B] token ids, [B, hidden]
+        elif len(tree) == len(reqs):
+            top, pred = self.step(toks, feats, starts, blocks, None, self.topk)  # ([B, b], [B, b]), [B, hidden]
         else:
             logits, pred = self.step(toks, feats, starts, blocks)  # [B, V], [B, hidden]
         for r in reqs:
@@ -100,14 +104,15 @@ class EagleProposer:
         if greedy:
             return self._greedy_chains(reqs, ids.tolist(), pred)
         if len(tree) == len(reqs):
-            return self._trees(reqs, logits, pred)
+            return self._trees(reqs, top, pred)
         if not tree:  # chains only: no row selection (a copy of the [B, V] logits)
             return self._chains(reqs, logits, pred)
         in_tree = set(tree)
         chain = [i for i in range(len(reqs)) if i not in in_tree]
         out: list[Draft] = [Draft([])] * len(reqs)
+        root = torch.log_softmax(logits[tree].float(), dim=-1).topk(self.topk, dim=-1)
         for part, drafts in ((chain, self._chains([reqs[i] for i in chain], logits[chain], pred[chain])),
-                             (tree, self._trees([reqs[i] for i in tree], logits[tree], pred[tree]) if tree else [])):
+                             (tree, self._trees([reqs[i] for i in tree], (root.values, root.indices), pred[tree]))):
             for i, d in zip(part, drafts):
                 out[i] = d
         return out
@@ -133,7 +138,7 @@ class EagleProposer:
         while active:
             ids, pred = self.step([[drafts[i][-1]] for i in active], pred,
                                   [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active],
-                                  [reqs[i].block_ids for i in active], None, True)
+                                  [reqs[i].block_ids for i in active], None, 1)
             for i, t in zip(active, ids.tolist()):
                 drafts[i].append(t)
             keep = [j for j, i in enumerate(active) if len(drafts[i]) < reqs[i].k]
@@ -141,12 +146,13 @@ class EagleProposer:
                 active, pred = [active[j] for j in keep], pred[keep]
         return [Draft(d) for d in drafts]
 
-    def _trees(self, reqs: list[ProposeRequest], logits: torch.Tensor, pred: torch.Tensor) -> list[Draft]:
-        """Dynamic draft trees of depth ``r.k`` (module docstring); [B, V] logits and [B, hidden] predicted
-        features at each request's root."""
+    def _trees(self, reqs: list[ProposeRequest], top: tuple[torch.Tensor, torch.Tensor], pred: torch.Tensor
+               ) -> list[Draft]:
+        """Dynamic draft trees of depth ``r.k`` (module docstring); the b most likely tokens at each request's
+        root (log-probabilities and ids, [B, b] each) and its [B, hidden] predicted feature."""
         b = self.topk
         trees = [_Tree() for _ in reqs]
-        vals, ids = torch.log_softmax(logits.float(), dim=-1).topk(b, dim=-1)  # [B, b]
+        vals, ids = top
         for t, v, x, h in zip(trees, vals.tolist(), ids.tolist(), pred):
             t.frontier = [t.add(tok, -1, s, h) for tok, s in zip(x, v)]
         for depth in range(2, max(r.k for r in reqs) + 1):
@@ -172,8 +178,7 @@ class EagleProposer:
                 t.expanded += len(front)
             if not active:
                 break
-            logits, pred = self.step(toks, feats, starts, [reqs[i].block_ids for i in active], rts)  # [T, ...]
-            vals, ids = torch.log_softmax(logits.float(), dim=-1).topk(b, dim=-1)  # [T, b]
+            (vals, ids), pred = self.step(toks, feats, starts, [reqs[i].block_ids for i in active], rts, b)  # [T, b]
             new: dict[int, list[int]] = {i: [] for i in active}
             for (i, node), v, x, h in zip(rows, vals.tolist(), ids.tolist(), pred):
                 t = trees[i]

@@ -9,6 +9,7 @@ drafts' features are as stale as their KV and are dropped here).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -69,11 +70,14 @@ def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size
                device: torch.device) -> EagleStep:
     """The head's forward over a flat batch of entries, with the target's embedding, final norm and LM head:
     logits and predicted features at each request's last entry; with ``trees`` (a draft tree's expansion,
-    ``input_batch.pack_batch``) at every entry. ``greedy``: [B] argmax token ids instead of logits (over the
-    head's draft vocabulary where it has one: the [B, vocab] logits are never built)."""
+    ``input_batch.pack_batch``) at every entry. ``top`` = 1: [B] argmax token ids instead of the logits;
+    ``top`` = b > 1: ([B, b] log-probabilities, [B, b] token ids) of the b most likely tokens. Both over the
+    head's draft vocabulary where it has one, so the [B, vocab] logits are never built."""
+    vocab = head.cfg.vocab_size
+
     def step(token_ids: list[list[int]], feats: list[torch.Tensor] | torch.Tensor, starts: list[int],
-             block_ids: list[tuple[int, ...]], trees: list[RowTree | None] | None = None, greedy: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             block_ids: list[tuple[int, ...]], trees: list[RowTree | None] | None = None, top: int = 0
+             ) -> tuple[Any, torch.Tensor]:
         fb = flat_batch(token_ids, starts, block_ids, block_size, device, trees)
         with torch.inference_mode():
             embeds = target.embed_tokens(fb.input_ids)  # [T, hidden]
@@ -84,10 +88,13 @@ def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size
             else:
                 last = pred[fb.meta.query_start_loc[1:].long() - 1]  # [B, hidden]
             normed = target.ops.add_norm(last, None, target.norm)[1]
-            if not greedy:
+            if top == 0:
                 return head.draft_logits(normed, target.compute_logits), last
             reduced = head.reduced_logits(normed)
-            if reduced is None:
-                return argmax_rows(target.compute_logits(normed)[:, :head.cfg.vocab_size]), last
-            return reduced[1][argmax_rows(reduced[0])], last
+            logits, ids = reduced if reduced is not None else (target.compute_logits(normed)[:, :vocab].float(), None)
+            if top == 1:
+                best = argmax_rows(logits)
+                return (best if ids is None else ids[best]), last
+            vals, idx = torch.log_softmax(logits, dim=-1).topk(top, dim=-1)
+            return (vals, idx if ids is None else ids[idx]), last
     return step
