@@ -56,6 +56,8 @@ SUMMARIZE_MODULES = (
 MAX_PROMPT_CHARS = 3000  # ~1000 tokens of English or code for a BPE tokenizer: fits a small model's context
 NUM_CODE, NUM_SUMMARIZE, NUM_EDIT, NUM_JSON = 64, 40, 48, 40
 TRAIN_CODE, NUM_CODE_TRAIN = "stdlib-code", 600  # distill's extra code prompts (not a benchmark)
+TRAIN_JSON, NUM_JSON_TRAIN = "stdlib-json", 400  # distill's ``json``-task prompts over the same modules
+VOCAB_CHAT, NUM_VOCAB_CHAT = "vocab-chat", 3000  # distill's requests about words of the target's vocabulary
 
 CHAT_INSTRUCTIONS = (
     "Write a short story about a robot who learns to paint.",
@@ -397,20 +399,38 @@ def _json_keep(d: _Def) -> bool:
     return _public(d) and bool(d.node.args.args) and 3 <= n_lines <= 40 and len(_segment(d)) <= MAX_PROMPT_CHARS // 2
 
 
+_SIGNATURE_RF = {"type": "json_schema", "json_schema": {"name": "function_signature", "schema": SIGNATURE_SCHEMA,
+                                                         "strict": True}}
+
+
+def _json_item(item_id: str, d: _Def) -> Item:
+    text = ("Extract the signature of this Python function as JSON: its name, its parameters with their "
+            "default values (as source text, null when there is none), whether it returns a value, and "
+            f"the exceptions it raises.\n\n```python\n{_segment(d)}\n```")
+    return Item(item_id, _user(text), source=d.provenance, task="extract_signature", response_format=_SIGNATURE_RF)
+
+
 def build_json() -> list[Item]:
     """A stdlib function's source; ask for its signature as JSON under one schema (``response_format``):
     schema-constrained extraction, where the keys and punctuation are forced by the grammar and the values
     copy the prompt."""
-    rf = {"type": "json_schema", "json_schema": {"name": "function_signature", "schema": SIGNATURE_SCHEMA,
-                                                 "strict": True}}
-    items = []
-    for i, d in enumerate(_select(SUMMARIZE_MODULES + CODE_MODULES, _json_keep, per=3, limit=NUM_JSON)):
-        text = ("Extract the signature of this Python function as JSON: its name, its parameters with their "
-                "default values (as source text, null when there is none), whether it returns a value, and "
-                f"the exceptions it raises.\n\n```python\n{_segment(d)}\n```")
-        items.append(Item(f"json-{i:03d}", _user(text), source=d.provenance, task="extract_signature",
-                          response_format=rf))
-    return items
+    return [_json_item(f"json-{i:03d}", d)
+            for i, d in enumerate(_select(SUMMARIZE_MODULES + CODE_MODULES, _json_keep, per=3, limit=NUM_JSON))]
+
+
+def build_json_train(limit: int = NUM_JSON_TRAIN) -> list[Item]:
+    """``json``-task prompts (with their ``response_format``) over the stdlib modules no benchmark workload
+    reads: `specserve distill`'s dataset ``stdlib-json``."""
+    per_module = []
+    for module, _ in stdlib_sources(CODE_MODULES + SUMMARIZE_MODULES):
+        if module.split(".")[-1].startswith("_") or "__main__" in module:
+            continue
+        try:
+            defs = [d for d in _defs(module) if _json_keep(d)]
+        except (SyntaxError, UnicodeDecodeError, ValueError, FileNotFoundError):
+            continue  # a file this Python cannot parse
+        per_module.append(sorted(defs, key=lambda d: _stable_key(d.module, d.qualname))[:3])
+    return [_json_item(f"{TRAIN_JSON}-{i:03d}", d) for i, d in enumerate(_pick(per_module, limit))]
 
 
 NUM_AGENT_SESSIONS = 16  # x 3 turns

@@ -232,3 +232,70 @@ def test_stdlib_code_prompts_avoid_the_benchmark_modules():
     assert not modules & set(CODE_MODULES + SUMMARIZE_MODULES)
     bench = {(it.source["module"], it.source["qualname"]) for it in build_code()}
     assert not bench & {(it.source["module"], it.source["qualname"]) for it in items}
+
+
+def test_stdlib_json_prompts_carry_the_schema_and_avoid_the_benchmark_modules():
+    from specserve.datasets import CODE_MODULES, SUMMARIZE_MODULES, TRAIN_JSON, build_json, build_json_train
+
+    items = build_json_train(limit=60)
+    assert len(items) == 60 and len({it.id for it in items}) == 60
+    assert all(it.id.startswith(TRAIN_JSON + "-") and it.task == "extract_signature" for it in items)
+    bench = build_json()
+    assert all(it.response_format == bench[0].response_format for it in items)  # the `json` workload's schema
+    modules = {it.source["module"] for it in items}
+    assert len(modules) >= 30 and not modules & set(CODE_MODULES + SUMMARIZE_MODULES)
+
+
+def test_vocab_chat_prompts_are_seeded_everyday_requests():
+    from specserve.datasets import VOCAB_CHAT
+    from specserve.distill.data import vocab_chat
+    from specserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_checkpoint(None)  # the demo model's tokenizer (49k tokens)
+    a, b = vocab_chat(tok, limit=200), vocab_chat(tok, limit=200)
+    assert a == b and len(a) == 200 and len({i for i, _ in a}) == 200
+    assert all(i.startswith(VOCAB_CHAT + "-") and m[0]["role"] == "user" for i, m in a)
+    assert len({m[0]["content"] for _, m in a}) == 200
+    assert vocab_chat(tok, limit=200, seed=1) != a
+
+
+def test_collection_follows_a_prompts_response_format(setup):
+    """A prompt with a ``response_format`` is sampled under its grammar, as serving samples it."""
+    from specserve.distill.data import Prompt, collect
+
+    llm = LLM(setup["target"], enable_prefix_caching=False, **ENGINE)  # as distill runs it: every position's feature
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"enum": ["yes", "no"]}}}
+    tok = llm.tokenizer
+    prompts = [Prompt("a", tok.encode("Answer yes or no:"), rf), Prompt("b", tok.encode("Say something:"))]
+    samples = collect(llm, prompts, 40, 12, 1.0, 2, seed=0)
+    constrained = [s for s in samples if s.token_ids[:s.prompt_len] == prompts[0].token_ids]
+    free = [s for s in samples if s.token_ids[:s.prompt_len] == prompts[1].token_ids]
+    assert constrained and free
+    for s in constrained:
+        assert tok.decode(s.token_ids[s.prompt_len:]).strip() in ('"yes"', '"no"')
+    assert any(tok.decode(s.token_ids[s.prompt_len:]).strip() not in ('"yes"', '"no"') for s in free)
+
+
+def test_init_starts_from_an_exported_head(setup, capsys):
+    """--init: training starts from that head's weights and keeps its draft vocabulary (lr 0: the export
+    equals the init); a head for other feature layers is refused."""
+    from safetensors.torch import load_file
+
+    base = str(setup["root"] / "init_base")
+    _distill(setup, base, "--kind", "head", "--steps", "2", "--eval-prompts", "0", "--draft-vocab", "64")
+    out = str(setup["root"] / "init_tuned")
+    _distill(setup, out, "--kind", "head", "--steps", "1", "--eval-prompts", "0", "--lr", "0", "--init", base,
+             "--draft-vocab", "100")
+    a, b = load_file(os.path.join(base, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
+    assert a.keys() == b.keys() and a["draft_vocab"].numel() == 64
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    scratch = str(setup["root"] / "init_none")
+    _distill(setup, scratch, "--kind", "head", "--steps", "1", "--eval-prompts", "0", "--lr", "0")
+    c = load_file(os.path.join(scratch, "model.safetensors"))
+    assert not torch.equal(a["fc.weight"], c["fc.weight"])  # without --init the head starts elsewhere
+    capsys.readouterr()
+    bad = str(setup["root"] / "init_bad")  # base reads layers 1 and 2 (eagle3 on 2 layers)
+    assert main(["distill", "--target", setup["target"], "--out", bad, "--dataset", setup["prompts"], *FAST,
+                 "--kind", "head", "--init", base, "--feature-layers", "last"]) == 2
+    assert "--feature-layers" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(bad, "samples.pt"))  # refused before collecting

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from specserve.datasets import TRAIN_CODE
+from specserve.datasets import TRAIN_CODE, TRAIN_JSON, VOCAB_CHAT
 from specserve.platform import DEVICE_CHOICES
 
 WORKLOADS = "chat,code,summarize,edit,instructions"
@@ -36,9 +36,10 @@ def add_distill_parser(sub: Any) -> None:
                    help="head: EAGLE head (1 layer over target features); model: standalone small Llama")
     d.add_argument("--layers", type=int, default=2, help="--kind model: decoder layers of the draft (1-4)")
     d.add_argument("--dataset", default=WORKLOADS,
-                   help=f"comma-separated sources: workloads ({WORKLOADS}), {TRAIN_CODE} (code prompts over "
-                        f"stdlib modules the benchmarks never read) and/or files (.txt one prompt per line, "
-                        f".json/.jsonl workload format)")
+                   help=f"comma-separated sources: workloads ({WORKLOADS}), {TRAIN_CODE} / {TRAIN_JSON} (the code / "
+                        f"json task over stdlib modules the benchmarks never read), {VOCAB_CHAT} (everyday requests "
+                        f"about words of the target's vocabulary) and/or files (.txt one prompt per line, "
+                        f".json/.jsonl workload format; an item's response_format is sampled under its grammar)")
     d.add_argument("--tokens", type=int, default=32000, help="target-sampled tokens to collect")
     d.add_argument("--text-tokens", type=int, default=0,
                    help="also teacher-force the target over this many tokens of Python standard-library source "
@@ -48,6 +49,9 @@ def add_distill_parser(sub: Any) -> None:
                    help="every N-th sampling batch decodes greedily (0: all sampled at --temperature)")
     d.add_argument("--steps", type=int, default=None, help="total optimizer steps (default: --epochs passes)")
     d.add_argument("--epochs", type=float, default=3.0)
+    d.add_argument("--init", default=None, metavar="HEAD_DIR",
+                   help="head: start from this exported head's weights and draft vocabulary (fine-tuning it on "
+                        "the new data) instead of from the target's last layer")
     d.add_argument("--resume", action="store_true",
                    help="reuse DIR/samples.pt and continue DIR/checkpoint.pt; --dataset sources it lacks are "
                         "sampled (--tokens more) and added")
@@ -95,6 +99,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     llm = LLM(args.target, max_num_seqs=args.batch, enable_prefix_caching=False, **engine_kw)
     if args.kind == "head":  # collect exactly the features the head will read when serving
         llm.engine.runner.set_feature_layers(feature_layers(args.feature_layers, llm.engine.runner.arch.num_layers))
+    if args.init:  # a head that cannot start this run is refused before the collection
+        if args.kind != "head":
+            raise ValueError("--init is for --kind head")
+        load_head_weights(args.init, llm.engine.runner.model)
     t0 = time.perf_counter()
     samples, train_prompts, held = _collect(args, llm)
     walls["collect_s"] = round(time.perf_counter() - t0, 1)
@@ -238,6 +246,24 @@ def _train_dtype(name: str, device: Any) -> Any:
     return torch.bfloat16 if name == "bfloat16" else None
 
 
+def load_head_weights(path: str, target: Any) -> dict[str, Any]:
+    """An exported head's tensors (its ``draft_vocab`` included), checked against the target and the
+    feature layers this run reads."""
+    from safetensors.torch import load_file
+
+    from specserve.config import SpecserveError
+    from specserve.model.eagle_head import read_eagle_config
+
+    cfg = read_eagle_config(path)
+    if cfg.vocab_size != target.arch.vocab_size or cfg.hidden_size != target.arch.hidden_size:
+        raise SpecserveError(f"--init {path}: the head was distilled for another target (vocabulary "
+                             f"{cfg.vocab_size}, hidden {cfg.hidden_size})")
+    if (cfg.feature_layers or None) != (target.feature_layers or None):
+        raise SpecserveError(f"--init {path} reads target layers {list(cfg.feature_layers or ['last'])}; pass the "
+                             f"same --feature-layers")
+    return dict(load_file(os.path.join(os.path.expanduser(path), "model.safetensors")))
+
+
 def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) -> dict[str, Any]:
     import torch
 
@@ -255,8 +281,16 @@ def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) ->
     if args.kind == "head":
         h = target.arch.hidden_size  # the last layer's slot: the feature the head predicts
         rms = float(torch.cat([s.features[::7, -h:].float() for s in samples]).pow(2).mean().sqrt())
+        init = None
+        if args.init:
+            init = load_head_weights(args.init, target)
+            vocab = init.pop("draft_vocab", None)  # the head keeps the vocabulary it drafts from
+            top1 = torch.cat([s.top_ids[:, 0] for s in samples]).long()
+            coverage = 1.0 if vocab is None else float(torch.isin(top1, vocab).float().mean())
         cfg.vocab = vocab  # train over exactly the vocabulary the head will draft from
         task = HeadTask(target, cfg, rms, llm.engine.model_name, target.feature_layers)
+        if init is not None:
+            task.head.load_hf_state_dict(init, args.init)
     else:
         task = DraftModelTask(target, args.layers)
     result = train(task, samples, cfg, os.path.join(args.out, "checkpoint.pt"), args.resume)

@@ -1,9 +1,11 @@
 """Training text for drafts: the target's *own* samples, collected through the engine.
 
-Prompts come from the benchmark workloads (``specserve/datasets.py``: code, summarize, chat, edit), a
-built-in list of everyday instructions (``instructions``), ``stdlib-code`` (``code``-style prompts over the
-stdlib modules no benchmark workload reads: more of the code task, none of its prompts), or a user file
-(``.txt``: one raw prompt per line; ``.json``/``.jsonl``: the workload formats). A stable hash of each
+Prompts come from the benchmark workloads (``specserve/datasets.py``: code, summarize, chat, edit, json), a
+built-in list of everyday instructions (``instructions``), ``vocab-chat`` (everyday requests about words of the
+target's own vocabulary), ``stdlib-code`` / ``stdlib-json`` (the code and json tasks over the stdlib modules no
+benchmark workload reads: more of those tasks, none of their prompts), or a user file (``.txt``: one raw
+prompt per line; ``.json``/``.jsonl``: the workload formats). A prompt with a ``response_format`` is sampled
+under its grammar. A stable hash of each
 prompt id holds a fraction out for evaluation. The engine samples every training prompt (batched, temperature ~0.8); a feature sink on the
 worker captures the target's pre-norm last-layer features for every position as they are computed, so the
 target never runs twice. Soft targets are the target's top-K next-token log-probabilities at every position
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specserve.datasets import NUM_VOCAB_CHAT, VOCAB_CHAT
 from specserve.distill import dense
 from specserve.sampling_params import SamplingParams
 
@@ -41,10 +44,19 @@ _TEMPLATES = (
 )
 
 
+_WORD_TEMPLATES = _TEMPLATES + (
+    "What is {t}?", "Tell me something interesting about {t}.", "Write a short story that involves {t}.",
+    "Describe {t} to someone who has never heard of it.", "Why does {t} matter?",
+    "Give an example of {t} in everyday life.", "Write a dialogue between two friends about {t}.",
+    "What questions would a student ask about {t}?",
+)
+
+
 @dataclass
 class Prompt:
     id: str
     token_ids: list[int]
+    response_format: dict[str, Any] | None = None  # the item's structured output (OpenAI's shape), if any
 
 
 @dataclass
@@ -76,6 +88,19 @@ def builtin_instructions() -> list[tuple[str, list[dict[str, str]]]]:
             for i, (tpl, topic) in enumerate((tpl, t) for t in _TOPICS for tpl in _TEMPLATES)]
 
 
+def vocab_chat(tokenizer: Any, limit: int = NUM_VOCAB_CHAT, seed: int = 0) -> list[tuple[str, list[dict[str, str]]]]:
+    """Everyday requests about words of the target's own vocabulary (whole-word tokens of 5-12 lowercase
+    letters, in a seeded order), one template each: many more topics than the built-in instructions, with no
+    text from outside the model."""
+    import re
+
+    word = re.compile(r"^ [a-z]{5,12}$")
+    words = sorted({t.strip() for t in (tokenizer.decode([i]) for i in range(tokenizer.vocab_size)) if word.match(t)})
+    random.Random(seed).shuffle(words)
+    return [(f"{VOCAB_CHAT}-{i:04d}", [{"role": "user", "content": _WORD_TEMPLATES[i % len(_WORD_TEMPLATES)].format(t=w)}])
+            for i, w in enumerate(words[:limit])]
+
+
 def sources(dataset_arg: str) -> list[str]:
     """``--dataset``'s comma-separated source names, in order."""
     return [s.strip() for s in dataset_arg.split(",") if s.strip()]
@@ -83,14 +108,18 @@ def sources(dataset_arg: str) -> list[str]:
 
 def load_prompts(dataset_arg: str, tokenizer: Any) -> list[Prompt]:
     """Comma-separated workload names (code, summarize, chat, edit, instructions, stdlib-code) and/or files."""
-    from specserve.datasets import TRAIN_CODE, build_code_train
+    from specserve.datasets import TRAIN_CODE, TRAIN_JSON, build_code_train, build_json_train
 
     out: list[Prompt] = []
     for name in sources(dataset_arg):
         if name == "instructions":
             out += [Prompt(i, tokenizer.apply_chat_template(m)) for i, m in builtin_instructions()]
-        elif name == TRAIN_CODE:
-            out += [Prompt(it.id, tokenizer.apply_chat_template(it.messages or [])) for it in build_code_train()]
+        elif name == VOCAB_CHAT:
+            out += [Prompt(i, tokenizer.apply_chat_template(m)) for i, m in vocab_chat(tokenizer)]
+        elif name in (TRAIN_CODE, TRAIN_JSON):
+            build = build_code_train if name == TRAIN_CODE else build_json_train
+            out += [Prompt(it.id, tokenizer.apply_chat_template(it.messages or []), it.response_format)
+                    for it in build()]
         elif name.endswith(".txt") and os.path.isfile(name):
             with open(name, encoding="utf-8") as f:
                 lines = [ln.rstrip("\n") for ln in f if ln.strip()]
@@ -101,7 +130,7 @@ def load_prompts(dataset_arg: str, tokenizer: Any) -> list[Prompt]:
             for item in load_dataset(name):
                 ids = tokenizer.apply_chat_template(item.messages) if item.messages is not None \
                     else tokenizer.encode(item.prompt or "")
-                out.append(Prompt(item.id, ids))
+                out.append(Prompt(item.id, ids, item.response_format))
     if not out:
         raise ValueError(f"--dataset {dataset_arg!r} gave no prompts")
     return out
@@ -141,7 +170,8 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
             group = [prompts[(i + j) % len(prompts)] for j in range(batch)]
             greedy = greedy_every > 0 and (i // batch) % greedy_every == greedy_every - 1
             params = [SamplingParams(temperature=0.0 if greedy else temperature, max_tokens=max_tokens,
-                                     seed=seed + i + j) for j in range(batch)]
+                                     seed=seed + i + j, structured_outputs=_constraint(p))
+                      for j, p in enumerate(group)]
             outs = llm.generate(None, params, prompt_token_ids=[p.token_ids for p in group])
             i += batch
             for p, o in zip(group, outs, strict=True):
@@ -154,6 +184,16 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
             if on_batch is not None:
                 on_batch(samples, i)
     return samples
+
+
+def _constraint(p: Prompt) -> Any:
+    """A prompt's structured output (its grammar then shapes the sampled text, as when serving it)."""
+    rf = p.response_format
+    if rf is None or rf.get("type", "text") == "text":
+        return None
+    from specserve.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams.from_response_format(rf)
 
 
 def _sample(model: Any, prompt: list[int], output: list[int], parts: list[tuple[int, torch.Tensor]],
