@@ -206,12 +206,16 @@ def test_reduced_draft_vocab(tiny, reference):
     assert llm.get_metrics()["speculative"]["accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("kind", ["head", "head_small_vocab"])
-def test_greedy_fast_path_drafts_what_the_sampler_drafts(tiny, reference, kind):
-    """Plain greedy requests draft through ``EagleProposer._greedy_chains`` (token ids straight from the
-    head's argmax, no logits processing); a no-op logit bias sends the same requests through the sampler
-    path. Both must draft the same tokens, with and without a reduced draft vocabulary, in a batch of 4."""
-    path = tiny["head"]
+@pytest.mark.parametrize("kind", ["head", "head_small_vocab", "grammar"])
+def test_greedy_fast_path_drafts_what_the_sampler_drafts(tiny, reference, kind, monkeypatch):
+    """Greedy requests without logits processing draft through ``EagleProposer._greedy_chains`` (token ids
+    straight from the head's argmax, no [B, vocab] logits); a no-op logit bias sends the same requests through
+    the sampler path. Both must draft the same tokens, with and without a reduced draft vocabulary, and under
+    a grammar (where the head's argmax is often forbidden and the best allowed token is drafted), batch 4."""
+    from specserve.sampling_params import StructuredOutputsParams
+    from specserve.spec_decode.draft_model import DraftSampler
+
+    path, structured = tiny["head"], None
     if kind == "head_small_vocab":
         head = EagleHead(EagleConfig.from_target(tiny["model"].arch), torch.float32, torch.device("cpu"), None, 1024)
         from safetensors.torch import load_file
@@ -219,6 +223,16 @@ def test_greedy_fast_path_drafts_what_the_sampler_drafts(tiny, reference, kind):
         head.load_hf_state_dict(load_file(os.path.join(tiny["head"], "model.safetensors")), "head")
         path = str(tiny["root"] / "head_fast_vocab")
         save_eagle_head(head, path, draft_vocab=torch.arange(16, 200))
+    if kind == "grammar":
+        structured = StructuredOutputsParams(regex="[a-m ]{4,40}[.]")
+    masked = []
+    original_masked = DraftSampler.masked
+
+    def count_masked(*args):
+        masked.append(1)
+        return original_masked(*args)
+
+    monkeypatch.setattr(DraftSampler, "masked", staticmethod(count_masked))
     runs = []
     for bias in (None, {0: 0.0}):
         llm = LLM(tiny["target"], speculative_model=path, num_speculative_tokens=3, speculative_adaptive=False,
@@ -238,12 +252,15 @@ def test_greedy_fast_path_drafts_what_the_sampler_drafts(tiny, reference, kind):
             return chains(*args)
 
         proposer.propose, proposer._greedy_chains = record, count
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, logit_bias=bias))
-        assert [o.outputs[0].token_ids for o in outs] == reference
-        runs.append((seen, len(fast)))
-    (plain, num_fast), (biased, num_biased) = runs
+        masked.clear()
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, logit_bias=bias,
+                                                    structured_outputs=structured))
+        runs.append(([o.outputs[0].token_ids for o in outs], seen, len(fast), len(masked)))
+    (out_fast, plain, num_fast, masked_fast), (out_biased, biased, num_biased, _) = runs
+    assert out_fast == out_biased and (structured is not None or out_fast == reference)
     assert num_fast > 10 and num_biased == 0
     assert len(plain) > 20 and plain == biased
+    assert (masked_fast > 0) == (structured is not None)
 
 
 @pytest.mark.skipif(detect("cpu").quant_kernels != "cpu" or not load_cpu_kernels(),

@@ -122,7 +122,7 @@ class DraftSampler:
                   for r, d in zip(reqs, drafts, strict=True)]
         processed = process_logits(logits, states, [1] * len(reqs), [[] for _ in reqs])  # [B, V]
         if self.grammar and any(r.state.grammar is not None for r in reqs):
-            processed = self._mask(processed, reqs, drafts)
+            processed = self.masked(processed, reqs, drafts)
         if all(r.state.params.greedy for r in reqs):
             return row_argmax(processed), None
         q = torch.softmax(processed, dim=-1)
@@ -135,7 +135,7 @@ class DraftSampler:
         return toks.tolist(), q
 
     @staticmethod
-    def _mask(processed: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]) -> torch.Tensor:
+    def masked(processed: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]) -> torch.Tensor:
         """``processed`` with grammar requests' rows masked by their grammar after their drafts so far (a
         copy where a row is masked: ``process_logits`` may return its input). A greedy row whose argmax the
         grammar allows is left as it is (its draft is the same; filling a mask costs tens of microseconds)."""

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from specserve.sample.sampler import RequestSamplingState
+from specserve.sample.sampler import RequestSamplingState, argmax_rows, row_argmax
 from specserve.spec_decode.draft_model import DraftSampler, draft_chain
 from specserve.spec_decode.proposer import Draft, ProposeRequest
 
@@ -57,9 +57,11 @@ def tree_eligible(state: RequestSamplingState) -> bool:
 
 
 def plain_greedy(state: RequestSamplingState) -> bool:
-    """Whether a request's draft is the argmax of the head's raw logits: greedy, and nothing in its logits
-    processing (no bias, penalties or grammar; min_tokens met)."""
-    return state.params.greedy and not state.params.logit_bias and tree_eligible(state)
+    """Whether a request's draft is the argmax of the head's raw logits, where its grammar (if any) allows
+    it: greedy, no bias or penalties, min_tokens met."""
+    p = state.params
+    return (p.greedy and not p.logit_bias and not p.uses_penalties
+            and len(state.output_token_ids) >= (p.min_tokens or 0))
 
 
 class EagleProposer:
@@ -84,6 +86,8 @@ class EagleProposer:
     def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
         tree = [i for i, r in enumerate(reqs) if self.topk > 1 and tree_eligible(r.state)]
         greedy = not tree and all(plain_greedy(r.state) for r in reqs)
+        # Grammar rows need the head's logits where its argmax is forbidden (-1: the draft vocabulary's).
+        top = -1 if greedy and self.sampler.grammar and any(r.state.grammar is not None for r in reqs) else 1
         toks, feats, starts = [], [], []
         for r in reqs:
             n = len(r.token_ids)
@@ -94,17 +98,18 @@ class EagleProposer:
             starts.append(start)
         blocks = [r.block_ids for r in reqs]
         if greedy:
-            ids, pred = self.step(toks, feats, starts, blocks, None, 1)  # [B] token ids, [B, hidden]
+            head_out, pred = self.step(toks, feats, starts, blocks, None, top)  # [B] token ids (or logits), [B, hidden]
         elif len(tree) == len(reqs):
-            top, pred = self.step(toks, feats, starts, blocks, None, self.topk)  # ([B, b], [B, b]), [B, hidden]
+            best, pred = self.step(toks, feats, starts, blocks, None, self.topk)  # ([B, b], [B, b]), [B, hidden]
         else:
             logits, pred = self.step(toks, feats, starts, blocks)  # [B, V], [B, hidden]
         for r in reqs:
             self._valid[r.req_id] = len(r.token_ids)
         if greedy:
-            return self._greedy_chains(reqs, ids.tolist(), pred)
+            ids = self._greedy_tokens(reqs, [[] for _ in reqs], head_out)
+            return self._greedy_chains(reqs, [[t] for t in ids], pred, top)
         if len(tree) == len(reqs):
-            return self._trees(reqs, top, pred)
+            return self._trees(reqs, best, pred)
         if not tree:  # chains only: no row selection (a copy of the [B, V] logits)
             return self._chains(reqs, logits, pred)
         in_tree = set(tree)
@@ -128,23 +133,42 @@ class EagleProposer:
 
         return draft_chain(reqs, logits, self.sampler, advance)
 
-    def _greedy_chains(self, reqs: list[ProposeRequest], first: list[int], pred: torch.Tensor) -> list[Draft]:
-        """Chains for plain greedy requests (``plain_greedy``): each step's drafts are the head's argmax token
-        ids, with no logits processing and no [B, vocab] logits."""
-        drafts = [[t] for t in first]
+    def _greedy_chains(self, reqs: list[ProposeRequest], drafts: list[list[int]], pred: torch.Tensor, top: int
+                       ) -> list[Draft]:
+        """Chains for greedy requests without logits processing (``plain_greedy``), from their first drafts:
+        each step's drafts are the head's argmax token ids, with no [B, vocab] logits; a grammar row whose
+        argmax its grammar forbids takes its best allowed token instead."""
         active = [i for i, r in enumerate(reqs) if r.k > 1]
         if len(active) < len(reqs):
             pred = pred[active]
         while active:
-            ids, pred = self.step([[drafts[i][-1]] for i in active], pred,
+            out, pred = self.step([[drafts[i][-1]] for i in active], pred,
                                   [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active],
-                                  [reqs[i].block_ids for i in active], None, 1)
-            for i, t in zip(active, ids.tolist()):
+                                  [reqs[i].block_ids for i in active], None, top)
+            for i, t in zip(active, self._greedy_tokens([reqs[i] for i in active], [drafts[i] for i in active], out)):
                 drafts[i].append(t)
             keep = [j for j, i in enumerate(active) if len(drafts[i]) < reqs[i].k]
             if len(keep) < len(active):
                 active, pred = [active[j] for j in keep], pred[keep]
         return [Draft(d) for d in drafts]
+
+    def _greedy_tokens(self, reqs: list[ProposeRequest], drafts: list[list[int]], out: Any) -> list[int]:
+        """Each row's greedy draft from a ``top`` = 1 step ([B] ids) or a ``top`` = -1 step (logits over the
+        draft vocabulary and its ids): the argmax, or for a grammar row whose grammar forbids it after the
+        row's drafts, the best token the grammar allows (``DraftSampler`` masks the same distribution)."""
+        if isinstance(out, torch.Tensor):
+            return out.tolist()
+        logits, vocab = out
+        best = argmax_rows(logits)
+        toks = (best if vocab is None else vocab[best]).tolist()
+        for j, r in enumerate(reqs):
+            grammar = r.state.grammar
+            if grammar is None or grammar.valid_prefix([*drafts[j], toks[j]]) == len(drafts[j]) + 1:
+                continue
+            full = logits.new_full((1, self.sampler.vocab_size), float("-inf"))
+            full[0, slice(None) if vocab is None else vocab] = logits[j]
+            toks[j] = row_argmax(DraftSampler.masked(full, [r], [drafts[j]]))[0]
+        return toks
 
     def _trees(self, reqs: list[ProposeRequest], top: tuple[torch.Tensor, torch.Tensor], pred: torch.Tensor
                ) -> list[Draft]:

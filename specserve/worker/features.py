@@ -71,8 +71,9 @@ def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size
     """The head's forward over a flat batch of entries, with the target's embedding, final norm and LM head:
     logits and predicted features at each request's last entry; with ``trees`` (a draft tree's expansion,
     ``input_batch.pack_batch``) at every entry. ``top`` = 1: [B] argmax token ids instead of the logits;
-    ``top`` = b > 1: ([B, b] log-probabilities, [B, b] token ids) of the b most likely tokens. Both over the
-    head's draft vocabulary where it has one, so the [B, vocab] logits are never built."""
+    ``top`` = b > 1: ([B, b] log-probabilities, [B, b] token ids) of the b most likely tokens; ``top`` = -1:
+    ([B, M] logits over the head's draft vocabulary, its [M] token ids; None for the full vocabulary). All
+    over the draft vocabulary where the head has one, so the [B, vocab] logits are never built."""
     vocab = head.cfg.vocab_size
 
     def step(token_ids: list[list[int]], feats: list[torch.Tensor] | torch.Tensor, starts: list[int],
@@ -92,6 +93,8 @@ def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size
                 return head.draft_logits(normed, target.compute_logits), last
             reduced = head.reduced_logits(normed)
             logits, ids = reduced if reduced is not None else (target.compute_logits(normed)[:, :vocab].float(), None)
+            if top == -1:
+                return (logits, ids), last
             if top == 1:
                 best = argmax_rows(logits)
                 return (best if ids is None else ids[best]), last
