@@ -283,19 +283,25 @@ def stdlib_sources(exclude: tuple[str, ...]) -> list[tuple[str, str]]:
     return out
 
 
-def build_code_train(limit: int = NUM_CODE_TRAIN) -> list[Item]:
-    """``code``-style prompts over the stdlib modules that no benchmark workload reads: training prompts for
-    `specserve distill` (dataset ``stdlib-code``) that keep every benchmark prompt, and its module, unseen."""
+def _train_defs(keep: Callable[[_Def], bool], per: int, limit: int) -> list[_Def]:
+    """Up to ``per`` defs of each public stdlib module that no benchmark workload reads (round-robin, at most
+    ``limit``): distill's prompts keep every benchmark prompt, and its module, unseen."""
     per_module = []
     for module, _ in stdlib_sources(CODE_MODULES + SUMMARIZE_MODULES):
         if module.split(".")[-1].startswith("_") or "__main__" in module:
             continue
         try:
-            defs = [d for d in _defs(module) if _code_keep(d)]
+            defs = [d for d in _defs(module) if keep(d)]
         except (SyntaxError, UnicodeDecodeError, ValueError, FileNotFoundError):
             continue  # a file this Python cannot parse
-        per_module.append(sorted(defs, key=lambda d: _stable_key(d.module, d.qualname))[:4])
-    return [_code_item(f"{TRAIN_CODE}-{i:03d}", d) for i, d in enumerate(_pick(per_module, limit))]
+        per_module.append(sorted(defs, key=lambda d: _stable_key(d.module, d.qualname))[:per])
+    return _pick(per_module, limit)
+
+
+def build_code_train(limit: int = NUM_CODE_TRAIN) -> list[Item]:
+    """``code``-style prompts over the stdlib modules that no benchmark workload reads: training prompts for
+    `specserve distill` (dataset ``stdlib-code``)."""
+    return [_code_item(f"{TRAIN_CODE}-{i:03d}", d) for i, d in enumerate(_train_defs(_code_keep, 4, limit))]
 
 
 def _truncate_paragraphs(text: str, limit: int) -> str:
@@ -421,16 +427,7 @@ def build_json() -> list[Item]:
 def build_json_train(limit: int = NUM_JSON_TRAIN) -> list[Item]:
     """``json``-task prompts (with their ``response_format``) over the stdlib modules no benchmark workload
     reads: `specserve distill`'s dataset ``stdlib-json``."""
-    per_module = []
-    for module, _ in stdlib_sources(CODE_MODULES + SUMMARIZE_MODULES):
-        if module.split(".")[-1].startswith("_") or "__main__" in module:
-            continue
-        try:
-            defs = [d for d in _defs(module) if _json_keep(d)]
-        except (SyntaxError, UnicodeDecodeError, ValueError, FileNotFoundError):
-            continue  # a file this Python cannot parse
-        per_module.append(sorted(defs, key=lambda d: _stable_key(d.module, d.qualname))[:3])
-    return [_json_item(f"{TRAIN_JSON}-{i:03d}", d) for i, d in enumerate(_pick(per_module, limit))]
+    return [_json_item(f"{TRAIN_JSON}-{i:03d}", d) for i, d in enumerate(_train_defs(_json_keep, 3, limit))]
 
 
 NUM_AGENT_SESSIONS = 16  # x 3 turns
