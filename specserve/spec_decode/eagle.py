@@ -19,9 +19,10 @@ its own expanded ancestors, ``model/attention_metadata.TREE_DOC``; entry e of a 
 ``L + e``) and adds their b best children. The ``choose_nodes`` callback (the controller: measured step
 costs against the calibrated path probabilities) then keeps the best nodes, which go to verification
 ordered by depth, parents first. Requests whose logits processing depends on the drafts before a row
-(penalties, grammars, an unmet ``min_tokens``) draft chains. A batch of plain greedy chains (``plain_greedy``)
-takes each step's argmax token ids from the step itself, over the head's reduced draft vocabulary, without
-building [B, vocab] logits or running the draft sampler.
+(penalties, grammars, an unmet ``min_tokens``) draft chains. A batch of greedy chains without logits
+processing (``plain_greedy``) takes each step's argmax token ids from the step itself, over the head's reduced
+draft vocabulary, without building [B, vocab] logits or running the draft sampler; a grammar row whose argmax
+its grammar forbids takes the best allowed token, as the draft sampler would.
 A feature the worker never saw (position 0, or the last position of a prefix-cache hit) is zeros, and a
 prefix-cached block written by a request that did not speculate holds stale head entries: both only cost
 acceptance, never exactness -- verification decides every emitted token.
@@ -43,7 +44,8 @@ from specserve.spec_decode.proposer import Draft, ProposeRequest
 # per request, block ids [, tree rows [, top]]) -> ([B, vocab] logits at each request's last entry, [B, hidden]
 # the head's predicted feature there); with tree rows (``worker/input_batch.RowTree``) at every entry: [T, vocab],
 # [T, hidden]; with top = 1 [B] argmax token ids instead of the logits, with top = b > 1 ([B, b] log-probabilities,
-# [B, b] token ids) of the b most likely tokens.
+# [B, b] token ids) of the b most likely tokens, with top = -1 ([B, M] logits over the draft vocabulary, its [M]
+# token ids or None for the full vocabulary).
 EagleStep = Callable[..., tuple[Any, torch.Tensor]]
 # Per request, its candidate nodes' draft path probabilities (descending) -> how many to verify.
 ChooseNodes = Callable[[list[list[float]]], list[int]]
