@@ -20,9 +20,9 @@ its own expanded ancestors, ``model/attention_metadata.TREE_DOC``; entry e of a 
 costs against the calibrated path probabilities) then keeps the best nodes, which go to verification
 ordered by depth, parents first. Requests whose logits processing depends on the drafts before a row
 (penalties, grammars, an unmet ``min_tokens``) draft chains. A batch of greedy chains without logits
-processing (``plain_greedy``) takes each step's argmax token ids from the step itself, over the head's reduced
-draft vocabulary, without building [B, vocab] logits or running the draft sampler; a grammar row whose argmax
-its grammar forbids takes the best allowed token, as the draft sampler would.
+processing (``plain_greedy``) drafts the argmax of each step's logits over the head's reduced draft
+vocabulary, without building [B, vocab] logits or running the draft sampler; a grammar row whose argmax its
+grammar forbids takes the best allowed token, as the draft sampler would.
 A feature the worker never saw (position 0, or the last position of a prefix-cache hit) is zeros, and a
 prefix-cached block written by a request that did not speculate holds stale head entries: both only cost
 acceptance, never exactness -- verification decides every emitted token.
@@ -43,9 +43,9 @@ from specserve.spec_decode.proposer import Draft, ProposeRequest
 # (tokens per request, features h_{p-1} per request [n_i, hidden] (or one [B, hidden] tensor), first position
 # per request, block ids [, tree rows [, top]]) -> ([B, vocab] logits at each request's last entry, [B, hidden]
 # the head's predicted feature there); with tree rows (``worker/input_batch.RowTree``) at every entry: [T, vocab],
-# [T, hidden]; with top = 1 [B] argmax token ids instead of the logits, with top = b > 1 ([B, b] log-probabilities,
-# [B, b] token ids) of the b most likely tokens, with top = -1 ([B, M] logits over the draft vocabulary, its [M]
-# token ids or None for the full vocabulary).
+# [T, hidden]; with top = b > 1 ([B, b] log-probabilities, [B, b] token ids) of the b most likely tokens instead
+# of the logits, with top = -1 ([B, M] logits over the draft vocabulary, its [M] token ids or None for the full
+# vocabulary).
 EagleStep = Callable[..., tuple[Any, torch.Tensor]]
 # Per request, its candidate nodes' draft path probabilities (descending) -> how many to verify.
 ChooseNodes = Callable[[list[list[float]]], list[int]]
@@ -88,8 +88,6 @@ class EagleProposer:
     def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
         tree = [i for i, r in enumerate(reqs) if self.topk > 1 and tree_eligible(r.state)]
         greedy = not tree and all(plain_greedy(r.state) for r in reqs)
-        # Grammar rows need the head's logits where its argmax is forbidden (-1: the draft vocabulary's).
-        top = -1 if greedy and self.sampler.grammar and any(r.state.grammar is not None for r in reqs) else 1
         toks, feats, starts = [], [], []
         for r in reqs:
             n = len(r.token_ids)
@@ -100,7 +98,7 @@ class EagleProposer:
             starts.append(start)
         blocks = [r.block_ids for r in reqs]
         if greedy:
-            head_out, pred = self.step(toks, feats, starts, blocks, None, top)  # [B] token ids (or logits), [B, hidden]
+            head_out, pred = self.step(toks, feats, starts, blocks, None, -1)  # draft-vocabulary logits, [B, hidden]
         elif len(tree) == len(reqs):
             best, pred = self.step(toks, feats, starts, blocks, None, self.topk)  # ([B, b], [B, b]), [B, hidden]
         else:
@@ -109,7 +107,7 @@ class EagleProposer:
             self._valid[r.req_id] = len(r.token_ids)
         if greedy:
             ids = self._greedy_tokens(reqs, [[] for _ in reqs], head_out)
-            return self._greedy_chains(reqs, [[t] for t in ids], pred, top)
+            return self._greedy_chains(reqs, [[t] for t in ids], pred)
         if len(tree) == len(reqs):
             return self._trees(reqs, best, pred)
         if not tree:  # chains only: no row selection (a copy of the [B, V] logits)
@@ -135,18 +133,16 @@ class EagleProposer:
 
         return draft_chain(reqs, logits, self.sampler, advance)
 
-    def _greedy_chains(self, reqs: list[ProposeRequest], drafts: list[list[int]], pred: torch.Tensor, top: int
-                       ) -> list[Draft]:
+    def _greedy_chains(self, reqs: list[ProposeRequest], drafts: list[list[int]], pred: torch.Tensor) -> list[Draft]:
         """Chains for greedy requests without logits processing (``plain_greedy``), from their first drafts:
-        each step's drafts are the head's argmax token ids, with no [B, vocab] logits; a grammar row whose
-        argmax its grammar forbids takes its best allowed token instead."""
+        each step's drafts come from the head's logits over its draft vocabulary (``_greedy_tokens``)."""
         active = [i for i, r in enumerate(reqs) if r.k > 1]
         if len(active) < len(reqs):
             pred = pred[active]
         while active:
             out, pred = self.step([[drafts[i][-1]] for i in active], pred,
                                   [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active],
-                                  [reqs[i].block_ids for i in active], None, top)
+                                  [reqs[i].block_ids for i in active], None, -1)
             for i, t in zip(active, self._greedy_tokens([reqs[i] for i in active], [drafts[i] for i in active], out)):
                 drafts[i].append(t)
             keep = [j for j, i in enumerate(active) if len(drafts[i]) < reqs[i].k]
@@ -154,18 +150,18 @@ class EagleProposer:
                 active, pred = [active[j] for j in keep], pred[keep]
         return [Draft(d) for d in drafts]
 
-    def _greedy_tokens(self, reqs: list[ProposeRequest], drafts: list[list[int]], out: Any) -> list[int]:
-        """Each row's greedy draft from a ``top`` = 1 step ([B] ids) or a ``top`` = -1 step (logits over the
-        draft vocabulary and its ids): the argmax, or for a grammar row whose grammar forbids it after the
-        row's drafts, the best token the grammar allows (``DraftSampler`` masks the same distribution)."""
-        if isinstance(out, torch.Tensor):
-            return out.tolist()
+    def _greedy_tokens(self, reqs: list[ProposeRequest], drafts: list[list[int]],
+                       out: tuple[torch.Tensor, torch.Tensor | None]) -> list[int]:
+        """Each row's greedy draft from a ``top`` = -1 step (logits over the draft vocabulary and its ids): the
+        argmax, or for a grammar row whose grammar forbids it after the row's drafts (with grammar-aware
+        drafting on), the best token the grammar allows (``DraftSampler`` masks the same distribution)."""
         logits, vocab = out
         best = argmax_rows(logits)
         toks = (best if vocab is None else vocab[best]).tolist()
         for j, r in enumerate(reqs):
             grammar = r.state.grammar
-            if grammar is None or grammar.valid_prefix([*drafts[j], toks[j]]) == len(drafts[j]) + 1:
+            if grammar is None or not self.sampler.grammar or \
+                    grammar.valid_prefix([*drafts[j], toks[j]]) == len(drafts[j]) + 1:
                 continue
             full = logits.new_full((1, self.sampler.vocab_size), float("-inf"))
             full[0, slice(None) if vocab is None else vocab] = logits[j]

@@ -16,7 +16,6 @@ import torch
 from specserve.model.eagle_head import EagleHead
 from specserve.model.llama import LlamaModel
 from specserve.outputs import ScheduledRequest
-from specserve.sample.sampler import argmax_rows
 from specserve.spec_decode.eagle import EagleStep
 from specserve.worker.input_batch import RowTree, flat_batch
 
@@ -70,10 +69,10 @@ def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size
                device: torch.device) -> EagleStep:
     """The head's forward over a flat batch of entries, with the target's embedding, final norm and LM head:
     logits and predicted features at each request's last entry; with ``trees`` (a draft tree's expansion,
-    ``input_batch.pack_batch``) at every entry. ``top`` = 1: [B] argmax token ids instead of the logits;
-    ``top`` = b > 1: ([B, b] log-probabilities, [B, b] token ids) of the b most likely tokens; ``top`` = -1:
-    ([B, M] logits over the head's draft vocabulary, its [M] token ids; None for the full vocabulary). All
-    over the draft vocabulary where the head has one, so the [B, vocab] logits are never built."""
+    ``input_batch.pack_batch``) at every entry. ``top`` = b > 1: ([B, b] log-probabilities, [B, b] token ids)
+    of the b most likely tokens instead of the logits; ``top`` = -1: ([B, M] logits over the head's draft
+    vocabulary, its [M] token ids; None for the full vocabulary). Neither builds [B, vocab] logits where the
+    head has a draft vocabulary."""
     vocab = head.cfg.vocab_size
 
     def step(token_ids: list[list[int]], feats: list[torch.Tensor] | torch.Tensor, starts: list[int],
@@ -95,9 +94,6 @@ def eagle_step(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size
             logits, ids = reduced if reduced is not None else (target.compute_logits(normed)[:, :vocab].float(), None)
             if top == -1:
                 return (logits, ids), last
-            if top == 1:
-                best = argmax_rows(logits)
-                return (best if ids is None else ids[best]), last
             vals, idx = torch.log_softmax(logits, dim=-1).topk(top, dim=-1)
             return (vals, idx if ids is None else ids[idx]), last
     return step
