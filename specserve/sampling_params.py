@@ -57,6 +57,11 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.{self.kind} is larger than {MAX_GRAMMAR_CHARS} characters")
 
     @classmethod
+    def of_response_format(cls, rf: dict[str, Any] | None) -> StructuredOutputsParams | None:
+        """``from_response_format``, or None for no format or a "text" one (no constraint)."""
+        return None if rf is None or rf.get("type", "text") == "text" else cls.from_response_format(rf)
+
+    @classmethod
     def from_response_format(cls, rf: dict[str, Any]) -> StructuredOutputsParams:
         """OpenAI's ``response_format``: {"type": "json_object"} or {"type": "json_schema", "json_schema":
         {"name", "schema", "strict", "description"}} (a "text" format is no constraint: not handled here)."""

@@ -497,8 +497,7 @@ def constraints_of(items: list[Item]) -> list[StructuredOutputsParams | None] | 
     """The items' structured-output constraints (their ``response_format``), or None when none has one."""
     if all(it.response_format is None for it in items):
         return None
-    return [None if it.response_format is None or it.response_format.get("type", "text") == "text"
-            else StructuredOutputsParams.from_response_format(it.response_format) for it in items]
+    return [StructuredOutputsParams.of_response_format(it.response_format) for it in items]
 
 
 def select_prompts(tokenizer, items: list[Item], num_prompts: int, max_model_len: int, max_tokens: int

@@ -102,7 +102,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if args.init:  # a head that cannot start this run is refused before the collection
         if args.kind != "head":
             raise ValueError("--init is for --kind head")
-        load_head_weights(args.init, llm.engine.runner.model)
+        check_init(args.init, llm.engine.runner.model)
     t0 = time.perf_counter()
     samples, train_prompts, held = _collect(args, llm)
     walls["collect_s"] = round(time.perf_counter() - t0, 1)
@@ -246,11 +246,8 @@ def _train_dtype(name: str, device: Any) -> Any:
     return torch.bfloat16 if name == "bfloat16" else None
 
 
-def load_head_weights(path: str, target: Any) -> dict[str, Any]:
-    """An exported head's tensors (its ``draft_vocab`` included), checked against the target and the
-    feature layers this run reads."""
-    from safetensors.torch import load_file
-
+def check_init(path: str, target: Any) -> None:
+    """``--init``: the exported head's config fits the target and the feature layers this run reads."""
     from specserve.config import SpecserveError
     from specserve.model.eagle_head import read_eagle_config
 
@@ -261,7 +258,6 @@ def load_head_weights(path: str, target: Any) -> dict[str, Any]:
     if (cfg.feature_layers or None) != (target.feature_layers or None):
         raise SpecserveError(f"--init {path} reads target layers {list(cfg.feature_layers or ['last'])}; pass the "
                              f"same --feature-layers")
-    return dict(load_file(os.path.join(os.path.expanduser(path), "model.safetensors")))
 
 
 def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) -> dict[str, Any]:
@@ -283,7 +279,9 @@ def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) ->
         rms = float(torch.cat([s.features[::7, -h:].float() for s in samples]).pow(2).mean().sqrt())
         init = None
         if args.init:
-            init = load_head_weights(args.init, target)
+            from safetensors.torch import load_file
+
+            init = dict(load_file(os.path.join(os.path.expanduser(args.init), "model.safetensors")))  # checked
             vocab = init.pop("draft_vocab", None)  # the head keeps the vocabulary it drafts from
             top1 = torch.cat([s.top_ids[:, 0] for s in samples]).long()
             coverage = 1.0 if vocab is None else float(torch.isin(top1, vocab).float().mean())

@@ -5,8 +5,8 @@ built-in list of everyday instructions (``instructions``), ``vocab-chat`` (every
 target's own vocabulary), ``stdlib-code`` / ``stdlib-json`` (the code and json tasks over the stdlib modules no
 benchmark workload reads: more of those tasks, none of their prompts), or a user file (``.txt``: one raw
 prompt per line; ``.json``/``.jsonl``: the workload formats). A prompt with a ``response_format`` is sampled
-under its grammar. A stable hash of each
-prompt id holds a fraction out for evaluation. The engine samples every training prompt (batched, temperature ~0.8); a feature sink on the
+under its grammar. A stable hash of each prompt id holds a fraction out for evaluation. The engine samples
+every training prompt (batched, temperature ~0.8); a feature sink on the
 worker captures the target's pre-norm last-layer features for every position as they are computed, so the
 target never runs twice. Soft targets are the target's top-K next-token log-probabilities at every position
 of the sampled continuation (computed once from those features, kept in fp16).
@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import os
 import random
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from specserve.datasets import NUM_VOCAB_CHAT, VOCAB_CHAT
 from specserve.distill import dense
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _TOPICS = (
     "volcanoes", "the French Revolution", "black holes", "photosynthesis", "the stock market", "machine learning",
@@ -44,6 +45,7 @@ _TEMPLATES = (
 )
 
 
+_WORD = re.compile(r"^ [a-z]{5,12}$")  # a whole-word token (leading space)
 _WORD_TEMPLATES = _TEMPLATES + (
     "What is {t}?", "Tell me something interesting about {t}.", "Write a short story that involves {t}.",
     "Describe {t} to someone who has never heard of it.", "Why does {t} matter?",
@@ -92,12 +94,11 @@ def vocab_chat(tokenizer: Any, limit: int = NUM_VOCAB_CHAT, seed: int = 0) -> li
     """Everyday requests about words of the target's own vocabulary (whole-word tokens of 5-12 lowercase
     letters, in a seeded order), one template each: many more topics than the built-in instructions, with no
     text from outside the model."""
-    import re
-
-    word = re.compile(r"^ [a-z]{5,12}$")
-    words = sorted({t.strip() for t in (tokenizer.decode([i]) for i in range(tokenizer.vocab_size)) if word.match(t)})
+    words = sorted({t.strip() for t in (tokenizer.decode([i]) for i in range(tokenizer.vocab_size))
+                    if _WORD.match(t)})
     random.Random(seed).shuffle(words)
-    return [(f"{VOCAB_CHAT}-{i:04d}", [{"role": "user", "content": _WORD_TEMPLATES[i % len(_WORD_TEMPLATES)].format(t=w)}])
+    n = len(_WORD_TEMPLATES)
+    return [(f"{VOCAB_CHAT}-{i:04d}", [{"role": "user", "content": _WORD_TEMPLATES[i % n].format(t=w)}])
             for i, w in enumerate(words[:limit])]
 
 
@@ -170,7 +171,8 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
             group = [prompts[(i + j) % len(prompts)] for j in range(batch)]
             greedy = greedy_every > 0 and (i // batch) % greedy_every == greedy_every - 1
             params = [SamplingParams(temperature=0.0 if greedy else temperature, max_tokens=max_tokens,
-                                     seed=seed + i + j, structured_outputs=_constraint(p))
+                                     seed=seed + i + j,  # a prompt's grammar shapes its text, as when served
+                                     structured_outputs=StructuredOutputsParams.of_response_format(p.response_format))
                       for j, p in enumerate(group)]
             outs = llm.generate(None, params, prompt_token_ids=[p.token_ids for p in group])
             i += batch
@@ -184,16 +186,6 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
             if on_batch is not None:
                 on_batch(samples, i)
     return samples
-
-
-def _constraint(p: Prompt) -> Any:
-    """A prompt's structured output (its grammar then shapes the sampled text, as when serving it)."""
-    rf = p.response_format
-    if rf is None or rf.get("type", "text") == "text":
-        return None
-    from specserve.sampling_params import StructuredOutputsParams
-
-    return StructuredOutputsParams.from_response_format(rf)
 
 
 def _sample(model: Any, prompt: list[int], output: list[int], parts: list[tuple[int, torch.Tensor]],

@@ -262,7 +262,6 @@ class ToolPlan:
             return ""
         return text
 
-
     def scan_calls(self, text: str) -> list[PartialCall]:
         """The calls of an ``auto`` or ``required`` output so far, in order (offsets into ``text``)."""
         calls: list[PartialCall] = []
