@@ -80,6 +80,38 @@ def test_grammar_rows_follow_the_drafts_and_the_matcher_rolls_back(compiler):
     assert g.forced_tokens(4) == [ord("x")]
 
 
+def test_last_spelling_finds_the_latest_token_aligned_run():
+    from specserve.sample.grammar import _last_spelling
+
+    vocab = [b"a", b"b", b"ab", b"abc", b"c", b"ca"]
+    assert _last_spelling([0, 1, 4, 2, 4], b"abc", vocab) == [2, 4]  # the latest of two spellings
+    assert _last_spelling([0, 1, 4, 1], b"abc", vocab) == [0, 1, 4]
+    assert _last_spelling([3], b"ab", vocab) == [3]  # its last token may run past the text
+    assert _last_spelling([2, 5], b"bc", vocab) is None  # "b" starts inside a token: no boundary there
+    assert _last_spelling([0, 1], b"abc", vocab) is None  # history ends before the text does
+    assert _last_spelling([0, 4, 1], b"abc", vocab) is None
+
+
+def test_forced_tokens_take_the_spelling_the_target_used_before(demo_tokenizer):
+    """The grammar forces '{"name": "'; xgrammar spells it with the longest tokens, but where the request's
+    history spells the same text with other tokens (as the masked target does), those are the drafts, and a
+    history spelling that runs into text the grammar forbids is not used."""
+    hf = demo_tokenizer.hf_tokenizer
+    comp = GrammarCompiler(hf, len(hf), sorted(demo_tokenizer.eos_token_ids))
+    ids = hf.convert_tokens_to_ids
+    g = GrammarState(comp.compile(SO(json={"type": "object", "properties": {"name": {"type": "integer"}},
+                                           "required": ["name"]})))
+    longest = g.forced_tokens(8)
+    assert hf.decode(longest) == '{"name":' and len(longest) == 3
+    other = ids(["{", '"', "n", "am", "e", '":'])
+    assert g.forced_tokens(8, [5, 6] + other + [7]) == other
+    assert g.forced_tokens(3, other) == other[:3]
+    assert g.forced_tokens(8, ids(["{", '"', "name", '"'])) == longest  # no full spelling in the history
+    past = ids(["{", '"', "name", '":"'])  # runs into '"' where the grammar wants ' ' and an integer
+    assert g.forced_tokens(8, past) == longest
+    assert g.valid_prefix(other) == len(other) and g.forced_tokens(8) == longest  # the matcher is unchanged
+
+
 def test_draft_sampler_drafts_what_the_grammar_allows(compiler):
     """Grammar-aware drafting masks the draft's own distribution by the grammar after the drafts so far: a
     draft that prefers forbidden tokens proposes the best allowed one (greedy), and its q (sampled) puts no

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,6 +42,13 @@ def _xgr():  # type: ignore[no-untyped-def]
 _CACHE_BYTES = 256 << 20
 
 
+class Compiled(NamedTuple):
+    """A compiled grammar and each token id's bytes (xgrammar's decoded vocabulary, shared by all)."""
+
+    grammar: Any
+    token_bytes: list[bytes]
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary size; thread-safe; repeated constraints come from
     xgrammar's compile cache."""
@@ -53,6 +60,7 @@ class GrammarCompiler:
         self._stop_token_ids = sorted(stop_token_ids)
         self._max_threads = max_threads
         self._compiler: Any = None
+        self._token_bytes: list[bytes] = []
         self._lock = threading.Lock()
 
     def _get_compiler(self) -> Any:
@@ -64,9 +72,13 @@ class GrammarCompiler:
                                                           stop_token_ids=self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=True,
                                                      cache_limit_bytes=_CACHE_BYTES)
+                self._token_bytes = list(info.decoded_vocab)
             return self._compiler
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
+    def compile(self, params: StructuredOutputsParams) -> Compiled:
+        return Compiled(self._compile(params), self._token_bytes)
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
         kind = params.kind
         try:
@@ -110,9 +122,10 @@ class GrammarState:
     """One request's matcher. ``fill_rows`` masks its verification rows; ``accept`` advances on emitted
     tokens; ``valid_prefix`` is how many of a draft's tokens the grammar allows."""
 
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Compiled) -> None:
         xgr = _xgr()
-        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        self.token_bytes = compiled.token_bytes
+        self.matcher = xgr.GrammarMatcher(compiled.grammar, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
 
     def fill_rows(self, bitmask: torch.Tensor, first: int, drafts: list[int]) -> None:
         """Rows first .. first + len(drafts) of ``bitmask``: row j allows what the grammar allows after
@@ -166,11 +179,50 @@ class GrammarState:
             self.matcher.rollback(n)
         return n
 
-    def forced_tokens(self, limit: int) -> list[int]:
-        """Tokens the grammar forces next (xgrammar's jump-forward tokens, at most ``limit``): free drafts."""
+    def forced_tokens(self, limit: int, history: list[int] | None = None) -> list[int]:
+        """Tokens the grammar forces next (at most ``limit``): free drafts.
+
+        xgrammar's jump-forward tokens spell the forced text with the longest vocabulary tokens, but the
+        grammar allows every tokenization of it, and the masked target often picks another (a key it would
+        not have written itself comes out as ``"``, ``n``, ``am``, ``e":``). So where ``history`` (the
+        request's tokens) holds the same text on token boundaries, the drafts are the tokens the target used
+        there last, cut to what the grammar allows."""
         if limit <= 0 or self.matcher.is_terminated():
             return []
-        return list(self.matcher.find_jump_forward_tokens())[:limit]
+        forced = list(self.matcher.find_jump_forward_tokens())
+        if forced and history:
+            vocab = self.token_bytes
+            seen = _last_spelling(history, b"".join(vocab[t] for t in forced), vocab)
+            if seen is not None and seen != forced:
+                n = self.valid_prefix(seen)
+                if n == len(seen):
+                    forced = seen
+        return forced[:limit]
+
+
+_HISTORY_SCAN = 2048  # tokens of a request's history searched for an earlier spelling of forced text
+
+
+def _last_spelling(history: list[int], text: bytes, vocab: list[bytes]) -> list[int] | None:
+    """The latest run of ``history`` tokens that starts on ``text``'s first byte and spells all of it, its
+    last token possibly running past ``text``'s end; None where there is none."""
+    lo = max(0, len(history) - _HISTORY_SCAN)
+    n_vocab = len(vocab)
+    for i in range(len(history) - 1, lo - 1, -1):
+        t = history[i]
+        piece = vocab[t] if 0 <= t < n_vocab else b""
+        if not piece or not text.startswith(piece[:len(text)]):
+            continue
+        pos, j = len(piece), i + 1
+        while pos < len(text) and j < len(history):
+            t = history[j]
+            piece = vocab[t] if 0 <= t < n_vocab else b""
+            if not piece or not text.startswith(piece[:len(text) - pos], pos):
+                break
+            pos, j = pos + len(piece), j + 1
+        if pos >= len(text):
+            return history[i:j]
+    return None
 
 
 def bitmask_words(vocab_size: int) -> int:
