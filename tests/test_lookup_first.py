@@ -52,6 +52,32 @@ def test_routes_repeats_to_lookup_and_the_rest_to_the_model():
     assert (p.num_lookup, p.num_model) == (1, 1)
 
 
+@pytest.mark.parametrize("cut", [True, False])
+def test_grammar_cuts_lookup_before_routing(cut):
+    """With grammar-aware drafting a structured-output request's lookup continuation is cut where its grammar
+    stops allowing it, and one the grammar forbids from its first token leaves the step to the model."""
+    from specserve.sample.grammar import GrammarCompiler, GrammarState
+    from specserve.sampling_params import StructuredOutputsParams
+    from tests.helpers import byte_tokenizer
+
+    compiler = GrammarCompiler(byte_tokenizer(260), 260, [257])
+
+    def req(rid: str, text: str) -> ProposeRequest:
+        r = _req(rid, [ord(c) for c in text], None)
+        r.state.grammar = GrammarState(compiler.compile(StructuredOutputsParams(regex="ab[a-z]*")))
+        return r
+
+    model = FakeModel()
+    p = LookupFirstProposer(model, min_n=3, max_n=4, grammar_cut=cut)
+    drafts = p.propose([req("a", "xyzab9xyz"), req("b", "xyz9xyz")])  # "xyz" was followed by "ab9", "9xy"
+    if cut:
+        assert drafts[0].token_ids == [ord("a"), ord("b")] and drafts[1].token_ids == [7, 7, 7]
+        assert [r.req_id for c in model.calls for r in c] == ["b"]
+    else:
+        assert drafts[0].token_ids == [ord(c) for c in "ab9"] and drafts[1].token_ids == [ord(c) for c in "9xy"]
+        assert not model.calls
+
+
 def test_features_of_lookup_steps_stay_buffered_for_the_model_in_order():
     """The worker takes a request's features only for a model proposal: the chunks of lookup-drafted steps
     stay in its FeatureBuffer and reach the model together, in order; a restart keeps only the newer."""

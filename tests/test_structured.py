@@ -140,6 +140,37 @@ def test_draft_sampler_drafts_what_the_grammar_allows(compiler):
     assert logits[0, ord("z")] == 9.0  # masking works on a copy: the draft's logits are not modified
 
 
+def test_greedy_argmax_equals_the_argmax_of_the_processed_logits(compiler):
+    """The greedy fast path masks only the rows whose raw argmax the grammar forbids: its tokens must be the
+    argmaxes of ``process_logits``' rows in every case (allowed and forbidden argmaxes, free and grammar rows,
+    drafts the grammar rejects), and anything else that processes logits leaves it to process_logits."""
+    from specserve.sample.sampler import greedy_argmax, row_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(temperature=0)
+    drafts = [[ord("c"), ord("5")], [], [ord("a"), ord("z")], [9, 9]]  # the third: "z" is forbidden
+    counts = [len(d) + 1 for d in drafts]
+    forbidden = allowed_argmax = 0
+    for trial in range(40):
+        states = [state(greedy, grammar=GrammarState(compiler.compile(SO(regex="[a-f][0-9]x")))),
+                  state(greedy, grammar=GrammarState(compiler.compile(SO(choice=("yes", "no"))))),
+                  state(greedy, grammar=GrammarState(compiler.compile(SO(regex="[a-f]+")))),
+                  state(greedy)]
+        logits = torch.randn(sum(counts), V, generator=gen)
+        if trial % 2:  # favour an allowed token in some rows
+            logits[[0, 3, 5], [ord("b"), ord("n"), ord("e")]] += 10.0
+        raw = row_argmax(logits)
+        want = row_argmax(process_logits(logits, states, counts, drafts))
+        forbidden += sum(a != b for a, b in zip(raw, want))
+        allowed_argmax += sum(a == b for a, b in zip(raw[:8], want[:8]))
+        assert greedy_argmax(logits, states, counts, drafts) == want
+    assert forbidden > 0 and allowed_argmax > 0  # both kinds of rows were exercised
+    g = GrammarState(compiler.compile(SO(regex="[a-f]+")))
+    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, logit_bias={5: 1.0}),
+                  SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0, min_tokens=2)):
+        assert greedy_argmax(torch.zeros(1, V), [state(other, grammar=g)], [1], [[]]) is None
+
+
 def test_grammar_outranks_min_tokens_where_only_eos_is_left(compiler):
     g = GrammarState(compiler.compile(SO(choice=("ab",))))
     g.accept([ord("a"), ord("b")])

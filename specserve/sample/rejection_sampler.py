@@ -70,14 +70,7 @@ def verify(processed_logits: torch.Tensor, states: list[RequestSamplingState], r
     if not states:
         return []
     if all(s.params.greedy for s in states):  # the common case: one argmax per row, compared on the host
-        best = row_argmax(processed_logits)
-        emitted = []
-        for start, d in zip(row_starts(row_counts), drafts, strict=True):
-            n = 0
-            while n < len(d) and d[n] == best[start + n]:
-                n += 1
-            emitted.append([*d[:n], best[start + n]])
-        return emitted
+        return accept_greedy(row_argmax(processed_logits), row_counts, drafts)
     logits = processed_logits.float()  # [N, V]
     layout = _Layout.build(row_counts, drafts, logits.device)
     greedy = [i for i, s in enumerate(states) if s.params.greedy]
@@ -98,6 +91,18 @@ def verify(processed_logits: torch.Tensor, states: list[RequestSamplingState], r
             tokens[t], num_acc[t] = sub_tokens, sub_acc
     rows = torch.cat([tokens, num_acc.unsqueeze(1)], dim=1).tolist()  # the one host sync
     return [row[: row[-1] + 1] for row in rows]
+
+
+def accept_greedy(best: list[int], row_counts: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    """Greedy chains from each row's target token ``best`` (the argmax of its processed logits): the drafts
+    that equal it, then the target's token at the first that does not."""
+    emitted = []
+    for start, d in zip(row_starts(row_counts), drafts, strict=True):
+        n = 0
+        while n < len(d) and d[n] == best[start + n]:
+            n += 1
+        emitted.append([*d[:n], best[start + n]])
+    return emitted
 
 
 def _verify_greedy(logits: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -231,17 +231,48 @@ def _apply_constraints(out: torch.Tensor, states: list[RequestSamplingState], ro
 def _apply_grammars(out: torch.Tensor, states: list[RequestSamplingState], row_counts: list[int],
                     drafts: list[list[int]]) -> None:
     """Each grammar request's rows masked by its matcher (row j: after drafts[:j])."""
+    apply_grammar(out, *_grammar_bitmask(states, row_counts, drafts, out.shape[1]))
+
+
+def _grammar_bitmask(states: list[RequestSamplingState], row_counts: list[int], drafts: list[list[int]],
+                     vocab: int) -> tuple[list[int], torch.Tensor]:
+    """The rows of the grammar requests, and their bitmask (row j of a request: after drafts[:j])."""
     starts = row_starts(row_counts)
     reqs = [i for i, s in enumerate(states) if s.grammar is not None]
     rows = [starts[i] + j for i in reqs for j in range(row_counts[i])]
-    bitmask = torch.full((len(rows), bitmask_words(out.shape[1])), -1, dtype=torch.int32)
+    bitmask = torch.full((len(rows), bitmask_words(vocab)), -1, dtype=torch.int32)
     first = 0
     for i in reqs:
         grammar = states[i].grammar
         assert grammar is not None
         grammar.fill_rows(bitmask, first, drafts[i][:row_counts[i] - 1])
         first += row_counts[i]
-    apply_grammar(out, rows, bitmask)
+    return rows, bitmask
+
+
+def greedy_argmax(logits: torch.Tensor, states: list[RequestSamplingState], row_counts: list[int],
+                  drafts: list[list[int]]) -> list[int] | None:
+    """Each row's argmax after ``process_logits``, for a batch of greedy requests whose only processing is
+    their grammars (None where anything else applies: the caller processes the logits).
+
+    A grammar only removes tokens, so where it allows a row's raw argmax that is the row's answer; only the
+    rows whose argmax it forbids are masked (a copy of those rows), instead of copying and masking every row
+    of the step."""
+    if not all(s.params.greedy and not s.params.uses_penalties and not s.params.logit_bias
+               and s.params.min_tokens <= len(s.output_token_ids) for s in states):
+        return None
+    best = row_argmax(logits)
+    if not any(s.grammar is not None for s in states):
+        return best
+    rows, bitmask = _grammar_bitmask(states, row_counts, drafts, logits.shape[1])
+    words = bitmask.numpy()
+    bad = [i for i, r in enumerate(rows) if not (int(words[i, best[r] >> 5]) >> (best[r] & 31)) & 1]
+    if bad:
+        sub = logits[[rows[i] for i in bad]].to(torch.float32, copy=True)
+        apply_grammar(sub, list(range(len(bad))), bitmask[bad])
+        for i, tok in zip(bad, row_argmax(sub)):
+            best[rows[i]] = tok
+    return best
 
 
 def _apply_penalties(out: torch.Tensor, states: list[RequestSamplingState], row_counts: list[int],

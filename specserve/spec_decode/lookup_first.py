@@ -20,6 +20,8 @@ the predicted tokens/s of
 - the model: its acceptance per position for this request (``model_gains``, the controller's), plus the draft
   steps;
 and drafts from the better one. Before costs are measured (or with a fixed k) any match goes to lookup.
+With ``grammar_cut`` (grammar-aware drafting) a structured-output request's lookup drafts are first cut
+where its grammar stops allowing them, so a continuation the grammar forbids leaves the step to the model.
 
 **Lookup from the suffix index** (``--prompt-lookup-source suffix``): the lookup side drafts by suffix
 decoding (``spec_decode/suffix.py``): from the request's own history *and* earlier requests of the same
@@ -45,8 +47,9 @@ class LookupFirstProposer:
     def __init__(self, model: Proposer, min_n: int, max_n: int,
                  rate: Callable[[list[float], bool], float | None] | None = None,
                  model_gains: Callable[[str], list[float]] | None = None,
-                 suffix: SuffixProposer | None = None) -> None:
+                 suffix: SuffixProposer | None = None, grammar_cut: bool = False) -> None:
         self.model = model
+        self.grammar_cut = grammar_cut
         self.suffix = suffix
         self.ngrams = NgramIndexes(min_n, max_n)
         self.writes_kv = model.writes_kv
@@ -101,6 +104,8 @@ class LookupFirstProposer:
             n = min(n, self.max_k)  # acceptance is kept per match length up to max_k
         else:
             toks, n = self.ngrams.match(r.req_id, token_ids, k)
+        if toks and self.grammar_cut and r.state.grammar is not None:
+            toks = toks[:r.state.grammar.valid_prefix(toks)]
         route = self._route(r.req_id, toks, n) if toks else MODEL_SOURCE
         self._routed[r.req_id] = (len(token_ids), k, toks, n, route)
         return toks, n, route

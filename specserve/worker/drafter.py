@@ -136,7 +136,8 @@ class Drafter:
             self._router = LookupFirstProposer(
                 model, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max,
                 rate=lambda gains, free: self.controller.best_rate(gains, free),
-                model_gains=lambda req_id: self.controller.gains(req_id, MODEL_SOURCE), suffix=suffix)
+                model_gains=lambda req_id: self.controller.gains(req_id, MODEL_SOURCE), suffix=suffix,
+                grammar_cut=spec_config.grammar_drafts)
             return self._router
         return model
 

@@ -28,8 +28,8 @@ from specserve.model.tensor_parallel import Comm, TensorParallel
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import Platform, resolve_dtype, resolve_kv_dtype, to_device
 from specserve.sample.grammar import GrammarState
-from specserve.sample.rejection_sampler import verify, verify_tree
-from specserve.sample.sampler import RequestSamplingState, compute_logprobs, process_logits, row_starts
+from specserve.sample.rejection_sampler import accept_greedy, verify, verify_tree
+from specserve.sample.sampler import RequestSamplingState, compute_logprobs, greedy_argmax, process_logits, row_starts
 from specserve.spec_decode.proposer import ProposeRequest
 from specserve.worker.drafter import Drafter, mirrors_draft_calls
 from specserve.worker.features import FeatureSink, sink_features
@@ -243,8 +243,14 @@ class ModelRunner:
         drafts = [list(r.token_ids[r.num_tokens - r.num_spec_tokens:]) for r in sample_rows]
         qs = [c.draft_probs[:r.num_spec_tokens] if c.draft_probs is not None and r.num_spec_tokens else None
               for c, r in zip(cached, sample_rows)]
-        processed = process_logits(logits, states, counts, drafts)
-        emitted, paths = self._verify(processed, sample_rows, states, counts, drafts, qs)
+        # greedy chains whose only processing is a grammar: argmaxes without masking every row
+        best = greedy_argmax(logits, states, counts, drafts) \
+            if all(r.spec_parents is None for r in sample_rows) else None
+        if best is not None:
+            emitted, paths = accept_greedy(best, counts, drafts), {}
+        else:
+            emitted, paths = self._verify(process_logits(logits, states, counts, drafts), sample_rows, states,
+                                          counts, drafts, qs)
         if paths:
             self._settle_trees(rows, paths, prenorm)
         logprobs = self._logprobs(logits, sample_rows, cached, counts, emitted, paths)
