@@ -29,7 +29,13 @@ from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutp
 from specserve.platform import Platform, resolve_dtype, resolve_kv_dtype, to_device
 from specserve.sample.grammar import GrammarState
 from specserve.sample.rejection_sampler import accept_greedy, verify, verify_tree
-from specserve.sample.sampler import RequestSamplingState, compute_logprobs, greedy_argmax, process_logits, row_starts
+from specserve.sample.sampler import (
+    RequestSamplingState,
+    compute_logprobs,
+    greedy_argmax,
+    process_logits,
+    row_starts,
+)
 from specserve.spec_decode.proposer import ProposeRequest
 from specserve.worker.drafter import Drafter, mirrors_draft_calls
 from specserve.worker.features import FeatureSink, sink_features
