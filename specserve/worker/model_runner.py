@@ -252,8 +252,9 @@ class ModelRunner:
         # greedy chains whose only processing is a grammar: argmaxes without masking every row
         best = greedy_argmax(logits, states, counts, drafts) \
             if all(r.spec_parents is None for r in sample_rows) else None
+        paths: dict[int, list[int]] = {}
         if best is not None:
-            emitted, paths = accept_greedy(best, counts, drafts), {}
+            emitted = accept_greedy(best, counts, drafts)
         else:
             emitted, paths = self._verify(process_logits(logits, states, counts, drafts), sample_rows, states,
                                           counts, drafts, qs)
