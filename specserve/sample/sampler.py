@@ -268,8 +268,8 @@ def greedy_argmax(logits: torch.Tensor, states: list[RequestSamplingState], row_
     words = bitmask.numpy()
     bad = [i for i, r in enumerate(rows) if not (int(words[i, best[r] >> 5]) >> (best[r] & 31)) & 1]
     if bad:
-        sub = logits[[rows[i] for i in bad]].to(torch.float32, copy=True)
-        apply_grammar(sub, list(range(len(bad))), bitmask[bad])
+        sub = logits.index_select(0, to_device([rows[i] for i in bad], logits.device, torch.long)).float()
+        apply_grammar(sub, list(range(len(bad))), bitmask.index_select(0, torch.tensor(bad)))
         for i, tok in zip(bad, row_argmax(sub)):
             best[rows[i]] = tok
     return best
