@@ -80,36 +80,28 @@ def test_grammar_rows_follow_the_drafts_and_the_matcher_rolls_back(compiler):
     assert g.forced_tokens(4) == [ord("x")]
 
 
-def test_last_spelling_finds_the_latest_token_aligned_run():
-    from specserve.sample.grammar import _last_spelling
-
-    vocab = [b"a", b"b", b"ab", b"abc", b"c", b"ca"]
-    assert _last_spelling([0, 1, 4, 2, 4], b"abc", vocab) == [2, 4]  # the latest of two spellings
-    assert _last_spelling([0, 1, 4, 1], b"abc", vocab) == [0, 1, 4]
-    assert _last_spelling([3], b"ab", vocab) == [3]  # its last token may run past the text
-    assert _last_spelling([2, 5], b"bc", vocab) is None  # "b" starts inside a token: no boundary there
-    assert _last_spelling([0, 1], b"abc", vocab) is None  # history ends before the text does
-    assert _last_spelling([0, 4, 1], b"abc", vocab) is None
-
-
 def test_forced_tokens_take_the_spelling_the_target_used_before(demo_tokenizer):
-    """The grammar forces '{"name": "'; xgrammar spells it with the longest tokens, but where the request's
-    history spells the same text with other tokens (as the masked target does), those are the drafts, and a
-    history spelling that runs into text the grammar forbids is not used."""
+    """The grammar forces ' {"name": ' before each array item; xgrammar spells it with the longest tokens, but
+    once the output spelled the same text with other tokens on token boundaries (as the masked target does),
+    the latest such spelling is the draft."""
     hf = demo_tokenizer.hf_tokenizer
     comp = GrammarCompiler(hf, len(hf), sorted(demo_tokenizer.eos_token_ids))
     ids = hf.convert_tokens_to_ids
-    g = GrammarState(comp.compile(SO(json={"type": "object", "properties": {"name": {"type": "integer"}},
-                                           "required": ["name"]})))
-    longest = g.forced_tokens(8)
-    assert hf.decode(longest) == '{"name":' and len(longest) == 3
-    other = ids(["{", '"', "n", "am", "e", '":'])
-    assert g.forced_tokens(8, [5, 6] + other + [7]) == other
-    assert g.forced_tokens(3, other) == other[:3]
-    assert g.forced_tokens(8, ids(["{", '"', "name", '"'])) == longest  # no full spelling in the history
-    past = ids(["{", '"', "name", '":"'])  # runs into '"' where the grammar wants ' ' and an integer
-    assert g.forced_tokens(8, past) == longest
-    assert g.valid_prefix(other) == len(other) and g.forced_tokens(8) == longest  # the matcher is unchanged
+    item = {"type": "object", "properties": {"name": {"type": "integer"}}, "required": ["name"]}
+    g = GrammarState(comp.compile(SO(json={"type": "array", "items": item})))
+    longest = ids(['Ġ{"', "name", '":'])
+    pieces = ids(["Ġ{", '"', "n", "am", "e", '":'])
+    g.accept(ids(["[", '{"', "name", '":', "Ġ", "1", "},"]))  # no ' {"name":' in the output yet
+    assert g.forced_tokens(8) == longest and hf.decode(longest) == ' {"name":'
+    g.accept(pieces + ids(["Ġ", "2", "},"]))
+    assert g.forced_tokens(8) == pieces and g.forced_tokens(3) == pieces[:3]
+    assert g.forced_tokens(8) == pieces and g.valid_prefix(pieces) == len(pieces)  # the matcher is unchanged
+    g.accept(longest + ids(["Ġ", "3", "},"]))  # the latest spelling wins
+    assert g.forced_tokens(8) == longest
+    # an occurrence that starts inside a token is passed over for the next one to its left
+    assert g._last_spelling(b'ame":') == ids(["am", "e", '":']) and g._last_spelling(b'me":') is None
+    g.accept(ids(["Ġ{", '"', "name"]))  # inside an item: ' {"name":' is not forced here
+    assert hf.decode(g.forced_tokens(8)) == '":'
 
 
 def test_draft_sampler_drafts_what_the_grammar_allows(compiler):

@@ -15,6 +15,7 @@ top-k/p and min-p, and speculation stays exact: drafts are verified against the 
 
 from __future__ import annotations
 
+import bisect
 import json
 import threading
 from typing import Any, NamedTuple
@@ -126,6 +127,10 @@ class GrammarState:
         xgr = _xgr()
         self.token_bytes = compiled.token_bytes
         self.matcher = xgr.GrammarMatcher(compiled.grammar, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        # What the matcher accepted: the tokens, their bytes, and where each token's bytes start.
+        self._tokens: list[int] = []
+        self._text = bytearray()
+        self._starts: list[int] = []
 
     def fill_rows(self, bitmask: torch.Tensor, first: int, drafts: list[int]) -> None:
         """Rows first .. first + len(drafts) of ``bitmask``: row j allows what the grammar allows after
@@ -170,7 +175,12 @@ class GrammarState:
 
     def accept(self, tokens: list[int]) -> None:
         # Stops early only on the stop token after completion, or with ignore_eos: the mask no longer applies.
-        self._advance(tokens)
+        n = self._advance(tokens)
+        vocab, text = self.token_bytes, self._text
+        for t in tokens[:n]:
+            self._starts.append(len(text))
+            self._tokens.append(t)
+            text += vocab[t] if 0 <= t < len(vocab) else b""
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the grammar accepts from the current state (the matcher is unchanged)."""
@@ -179,50 +189,38 @@ class GrammarState:
             self.matcher.rollback(n)
         return n
 
-    def forced_tokens(self, limit: int, history: list[int] | None = None) -> list[int]:
+    def forced_tokens(self, limit: int) -> list[int]:
         """Tokens the grammar forces next (at most ``limit``): free drafts.
 
         xgrammar's jump-forward tokens spell the forced text with the longest vocabulary tokens, but the
         grammar allows every tokenization of it, and the masked target often picks another (a key it would
-        not have written itself comes out as ``"``, ``n``, ``am``, ``e":``). So where ``history`` (the
-        request's tokens) holds the same text on token boundaries, the drafts are the tokens the target used
-        there last, cut to what the grammar allows."""
+        not have written itself comes out as ``"``, ``n``, ``am``, ``e":``). So where the request's output so
+        far holds the same text on token boundaries, the drafts are the tokens the target used there last,
+        where the grammar allows them."""
         if limit <= 0 or self.matcher.is_terminated():
             return []
         forced = list(self.matcher.find_jump_forward_tokens())
-        if forced and history:
-            vocab = self.token_bytes
-            seen = _last_spelling(history, b"".join(vocab[t] for t in forced), vocab)
-            if seen is not None and seen != forced:
-                n = self.valid_prefix(seen)
-                if n == len(seen):
-                    forced = seen
+        if forced and self._tokens:
+            seen = self._last_spelling(b"".join(self.token_bytes[t] for t in forced))
+            if seen is not None and seen != forced and self.valid_prefix(seen) == len(seen):
+                forced = seen
         return forced[:limit]
 
-
-_HISTORY_SCAN = 2048  # tokens of a request's history searched for an earlier spelling of forced text
-
-
-def _last_spelling(history: list[int], text: bytes, vocab: list[bytes]) -> list[int] | None:
-    """The latest run of ``history`` tokens that starts on ``text``'s first byte and spells all of it, its
-    last token possibly running past ``text``'s end; None where there is none."""
-    lo = max(0, len(history) - _HISTORY_SCAN)
-    n_vocab = len(vocab)
-    for i in range(len(history) - 1, lo - 1, -1):
-        t = history[i]
-        piece = vocab[t] if 0 <= t < n_vocab else b""
-        if not piece or not text.startswith(piece[:len(text)]):
-            continue
-        pos, j = len(piece), i + 1
-        while pos < len(text) and j < len(history):
-            t = history[j]
-            piece = vocab[t] if 0 <= t < n_vocab else b""
-            if not piece or not text.startswith(piece[:len(text) - pos], pos):
-                break
-            pos, j = pos + len(piece), j + 1
-        if pos >= len(text):
-            return history[i:j]
-    return None
+    def _last_spelling(self, text: bytes, tries: int = 8) -> list[int] | None:
+        """The accepted tokens of the latest occurrence of ``text`` in the output that starts on a token
+        boundary (its last token may run past ``text``'s end); None where the last ``tries`` occurrences
+        all start inside a token."""
+        starts, end = self._starts, len(self._text)
+        for _ in range(tries):
+            pos = self._text.rfind(text, 0, end)
+            if pos < 0:
+                return None
+            i = bisect.bisect_left(starts, pos)
+            if i < len(starts) and starts[i] == pos:
+                j = bisect.bisect_left(starts, pos + len(text))  # the first token starting at or after the end
+                return self._tokens[i:j]
+            end = pos + len(text) - 1  # the next occurrence to the left
+        return None
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -244,7 +244,7 @@ class Drafter:
         assert self.proposer is not None, "Drafter.start was not called"
         proposer, controller = self.proposer, self.controller
         use_grammar = self.spec_config.grammar_drafts
-        forced = [c.state.grammar.forced_tokens(min(controller.max_k, c.k), c.token_ids)
+        forced = [c.state.grammar.forced_tokens(min(controller.max_k, c.k))
                   if use_grammar and c.state.grammar is not None else [] for c in cands]
         sources = [GRAMMAR_SOURCE if f else proposer.source(c, controller.max_k)
                    for c, f in zip(cands, forced)]
