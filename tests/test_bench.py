@@ -291,3 +291,28 @@ def test_bench_serve_launch_compare_spec(tiny_model, tmp_path, capsys, one_threa
         assert run["ttft"]["mean"] > 0 and run["e2el"]["p99"] >= run["ttft"]["p99"]
     assert (out / "server_off.log").exists() and (out / "server_on.log").exists()
     assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_fixed_costs_prices_every_step_from_its_table(capsys):
+    """benchmarks/fixed_costs.py: the off run's modelled time is exactly its steps priced by the table (a
+    prefill step, then one 1-token step per further output token; one prompt, so no prefix-cache hits), and
+    greedy output with speculation equals the off run's."""
+    from specserve.llm import LLM
+    from tests.reliability_helpers import load_benchmark
+
+    fc = load_benchmark("fixed_costs")
+    table = [5.0, 6.0, 7.0]
+    assert fc.step_cost(table, 0.5, 2) == pytest.approx(6e-3)
+    assert fc.step_cost(table, 0.5, 10) == pytest.approx((7.0 + 0.5 * 7) / 1e3)
+    assert fc.main(["--speculative-method", "ngram", "--dataset", "json", "--num-prompts", "1", "--max-tokens", "12",
+                    "--runs", "1", "--step-ms", "5,6,7", "--row-ms", "0.5"]) == 0
+    out = capsys.readouterr().out
+    off = next(line for line in out.splitlines() if line.startswith("off:"))
+    steps, tokens, seconds = int(off.split()[1]), int(off.split()[3]), float(off.split()[-2])
+    llm = LLM(None)
+    items = workloads.load_dataset("json")
+    prompts = offline.prompt_ids(llm.tokenizer, items, 1, llm.engine.max_model_len, 12)
+    want = sum(fc.step_cost(table, 0.5, len(p)) for p in prompts) + (tokens - len(prompts)) * 5e-3
+    assert steps == tokens and seconds == pytest.approx(want, abs=1e-3)
+    assert "outputs differing from off: 0/1" in out
