@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--prompt-lookup-first", action="store_true")
     ap.add_argument("--prompt-lookup-source", default=None, choices=["prompt", "suffix"])
+    ap.add_argument("--prompt-lookup-min", type=int, default=None)
+    ap.add_argument("--prompt-lookup-max", type=int, default=None)
     ap.add_argument("--no-grammar-drafts", action="store_true")
     ap.add_argument("--dataset", default="json")
     ap.add_argument("--num-prompts", type=int, default=8)
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.spec_decode.controller import FREE_SOURCES
 
     kwargs = {"num_speculative_tokens": args.num_speculative_tokens}
-    for key in ("speculative_model", "speculative_method", "prompt_lookup_source"):
+    for key in ("speculative_model", "speculative_method", "prompt_lookup_source", "prompt_lookup_min",
+                "prompt_lookup_max"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     if args.prompt_lookup_first:
