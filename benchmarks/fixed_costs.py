@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-lookup-source", default=None, choices=["prompt", "suffix"])
     ap.add_argument("--prompt-lookup-min", type=int, default=None)
     ap.add_argument("--prompt-lookup-max", type=int, default=None)
+    ap.add_argument("--speculative-eagle-topk", type=int, default=None, help="> 1: EAGLE-2 draft trees")
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="tree nodes verified at most")
     ap.add_argument("--no-grammar-drafts", action="store_true")
     ap.add_argument("--dataset", default="json")
     ap.add_argument("--num-prompts", type=int, default=8)
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kwargs = {"num_speculative_tokens": args.num_speculative_tokens}
     for key in ("speculative_model", "speculative_method", "prompt_lookup_source", "prompt_lookup_min",
-                "prompt_lookup_max"):
+                "prompt_lookup_max", "speculative_eagle_topk", "speculative_num_draft_tokens"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     if args.prompt_lookup_first:
@@ -88,9 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     def fixed_draft(num_reqs: int, seconds: float) -> None:
         record_draft(num_reqs, args.draft_ms / 1e3)
 
+    def depth(draft) -> int:  # type: ignore[no-untyped-def]
+        """Draft-model steps behind a draft: its length, or a tree's depth."""
+        if draft.parents is None:
+            return len(draft.token_ids)
+        depths: list[int] = []
+        for p in draft.parents:
+            depths.append(1 + (depths[p] if p >= 0 else 0))
+        return max(depths, default=0)
+
     def counted_propose(cands, draining=False):  # type: ignore[no-untyped-def]
         out = propose(cands, draining)
-        stepped = [len(out[c.req_id].token_ids) for c in cands
+        stepped = [depth(out[c.req_id]) for c in cands
                    if c.req_id in out and drafter._sources.get(c.req_id) not in FREE_SOURCES]
         totals["draft"] += max(stepped, default=0) * args.draft_ms / 1e3
         return out
