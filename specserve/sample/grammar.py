@@ -180,7 +180,7 @@ class GrammarState:
         for t in tokens[:n]:
             self._starts.append(len(text))
             self._tokens.append(t)
-            text += vocab[t] if 0 <= t < len(vocab) else b""
+            text += vocab[t]
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the grammar accepts from the current state (the matcher is unchanged)."""

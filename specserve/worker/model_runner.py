@@ -249,7 +249,7 @@ class ModelRunner:
         drafts = [list(r.token_ids[r.num_tokens - r.num_spec_tokens:]) for r in sample_rows]
         qs = [c.draft_probs[:r.num_spec_tokens] if c.draft_probs is not None and r.num_spec_tokens else None
               for c, r in zip(cached, sample_rows)]
-        # greedy chains whose only processing is a grammar: argmaxes without masking every row
+        # all-greedy chains with no processing but grammars: argmaxes, masking only rows whose argmax is forbidden
         best = greedy_argmax(logits, states, counts, drafts) \
             if all(r.spec_parents is None for r in sample_rows) else None
         paths: dict[int, list[int]] = {}
