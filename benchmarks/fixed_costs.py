@@ -14,7 +14,7 @@ Costs: ``--step-ms`` is the target step for 1, 2, ... tokens (default: `benchmar
 2-core AVX-512 EPYC, demo model, context 300), ``--row-ms`` each token past the table, ``--draft-ms`` one
 draft-model step (per draft token of the longest model draft in the step; the EAGLE head there: 0.44 ms).
 Prints, per speculative run, the steps, tokens per step by draft source and the modelled seconds, and the
-modelled ratio to speculation off. Batch 1, greedy, as `specserve bench offline` runs it.
+modelled ratio to speculation off. Greedy, as `specserve bench offline` runs it (`--batch-size`: requests per step).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dataset", default="json")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=1, help="max_num_seqs (requests per step)")
     ap.add_argument("--runs", type=int, default=3, help="speculative runs (the controller keeps learning across them)")
     ap.add_argument("--step-ms", default=DEFAULT_STEP_MS, help="target step ms for 1, 2, ... tokens")
     ap.add_argument("--row-ms", type=float, default=0.6, help="each token past the table (prefill: ~1700 tok/s)")
@@ -116,11 +117,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(speculative: bool):  # type: ignore[no-untyped-def]
         totals["target"] = totals["draft"] = 0.0
-        r = offline.run_once(llm, prompts, 1, args.max_tokens, speculative, constraints=constraints)
+        r = offline.run_once(llm, prompts, args.batch_size, args.max_tokens, speculative, constraints=constraints)
         return r, totals["target"] + totals["draft"]
 
     off, off_s = run(False)
-    print(f"{args.dataset}, {len(prompts)} prompts, {args.max_tokens} tokens max; step ms {args.step_ms}, "
+    print(f"{args.dataset}, {len(prompts)} prompts, batch {args.batch_size}, {args.max_tokens} tokens max; step ms {args.step_ms}, "
           f"draft ms {args.draft_ms}")
     print(f"off: {off.num_steps} steps, {off.output_tokens} tokens, modelled {off_s:.3f} s")
     ratios = []

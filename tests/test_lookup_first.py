@@ -96,6 +96,33 @@ def test_features_of_lookup_steps_stay_buffered_for_the_model_in_order():
     assert first == 30 and f.shape[0] == 2
 
 
+def test_feature_views_of_a_step_copy_are_compacted():
+    """Rows handed over as views of a step's copy (``owned``) are kept without a copy of their own, until
+    ``COMPACT_AT`` of them: those become one joined chunk of the buffer's own, which no longer holds the steps'
+    copies alive (and is not copied again by later compactions). Rows not ``owned`` are copied at once (the
+    forward's output may be reused)."""
+    buf = FeatureBuffer()
+    steps = [torch.arange(i * 16, i * 16 + 16, dtype=torch.float32).view(8, 2) for i in range(FeatureBuffer.COMPACT_AT)]
+    for i, step in enumerate(steps[:-1]):
+        buf.add(i, step[3:4], owned=True)
+    def shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    assert all(shares(c, s) for c, s in zip(buf.chunks, steps))  # views, no copies
+    buf.add(FeatureBuffer.COMPACT_AT - 1, steps[-1][3:4], owned=True)
+    assert len(buf.chunks) == 1 and not any(shares(buf.chunks[0], s) for s in steps) and len(buf) == FeatureBuffer.COMPACT_AT
+    joined = buf.chunks[0]
+    for i, step in enumerate(steps):
+        buf.add(FeatureBuffer.COMPACT_AT + i, step[5:6], owned=True)
+    assert len(buf.chunks) == 2 and buf.chunks[0] is joined
+    first, f = buf.take()
+    assert first == 0 and f.tolist() == [s[3].tolist() for s in steps] + [s[5].tolist() for s in steps]
+    out = torch.zeros(4, 2)
+    buf.add(16, out[1:2])
+    out.fill_(7.0)  # the forward's buffer reused by the next step
+    assert buf.take()[1].tolist() == [[0.0, 0.0]]
+
+
 def test_drop_forgets_and_reaches_the_model():
     model = FakeModel()
     p = LookupFirstProposer(model, min_n=3, max_n=4)

@@ -170,6 +170,8 @@ def test_step_cost_table():
     assert flat.predict(1000) == pytest.approx(0.02)  # one token count: flat around it
     assert cost.predict(20) == pytest.approx(0.002 + 0.0005 * 20)  # interpolated between 8 and 32
     assert cost.predict(0) == pytest.approx(0.0025)  # below the smallest: its cost
+    cost.add(20, 0.03)  # a new sample replaces the remembered predictions around it
+    assert cost.predict(20) == pytest.approx(0.03) and cost.predict(26) == pytest.approx(0.024)
 
 
 def test_acceptance_per_position():

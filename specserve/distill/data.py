@@ -160,7 +160,7 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
     runner = llm.engine.runner
     chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
-    def sink(req_id: str, pos: int, h: torch.Tensor) -> None:
+    def sink(req_id: str, pos: int, h: torch.Tensor, owned: bool) -> None:
         chunks.setdefault(req_id, []).append((pos, h.detach().float().cpu().clone()))
 
     samples = list(samples or [])

@@ -52,8 +52,11 @@ class StepCost:
         self._samples: dict[int, deque[float]] = {}
         self._mean: dict[int, float] = {}
         self._keys: list[int] = []  # sorted measured counts
+        # Predictions since the last sample: a step's decision asks for the same few counts thousands of times.
+        self._memo: dict[float, float] = {}
 
     def add(self, tokens: int, seconds: float) -> None:
+        self._memo.clear()
         q = self._samples.get(tokens)
         if q is None:
             q = self._samples[tokens] = deque(maxlen=self.per_count)
@@ -68,9 +71,17 @@ class StepCost:
         return len(self._keys)
 
     def predict(self, tokens: float) -> float | None:
+        hit = self._memo.get(tokens)
+        if hit is not None:
+            return hit
         keys = self._keys
         if not keys:
             return None
+        out = self._interpolate(keys, tokens)
+        self._memo[tokens] = out
+        return out
+
+    def _interpolate(self, keys: list[int], tokens: float) -> float:
         i = bisect.bisect_left(keys, tokens)
         if i < len(keys) and keys[i] == tokens:
             return self._mean[keys[i]]

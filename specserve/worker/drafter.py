@@ -183,10 +183,13 @@ class Drafter:
         return timed
 
     # -- per request ----------------------------------------------------------------------------------------
-    def keep_features(self, req_id: str, pos: int, h: torch.Tensor) -> None:
-        """The target's features of positions pos.. (a feature sink), buffered until the request's next
-        model proposal."""
-        self._features.setdefault(req_id, FeatureBuffer()).add(pos, h)
+    def keep_features(self, req_id: str, pos: int, h: torch.Tensor, owned: bool = False) -> None:
+        """The target's features of positions pos.. (a feature sink; ``owned``: views of the step's own copy),
+        buffered until the request's next model proposal."""
+        buf = self._features.get(req_id)
+        if buf is None:
+            buf = self._features[req_id] = FeatureBuffer()
+        buf.add(pos, h, owned)
 
     def drop(self, req_id: str, token_ids: list[int] | None = None, user: str | None = None) -> None:
         """Forget a finished request (``token_ids``: its prompt + output when it speculated, for suffix

@@ -19,39 +19,63 @@ from specserve.outputs import ScheduledRequest
 from specserve.spec_decode.eagle import EagleStep
 from specserve.worker.input_batch import RowTree, flat_batch
 
-FeatureSink = Callable[[str, int, torch.Tensor], None]
+# (req_id, first position, [n, hidden] features, whether they are views of the step's own copy)
+FeatureSink = Callable[[str, int, torch.Tensor, bool], None]
+
+
+# A step of at most this many rows is copied once and its sinks get views of the copy; a larger one (a prefill
+# chunk) is handed over as views of the forward's own output, copied per row by the sink that keeps it.
+SHARED_COPY_ROWS = 256
 
 
 def sink_features(rows: list[ScheduledRequest], sampled: dict[str, list[int]], prenorm: torch.Tensor,
                   sink: FeatureSink) -> None:
-    """prenorm: [T, hidden] for the step's flat tokens (rows in order)."""
+    """prenorm: [T, hidden] for the step's flat tokens (rows in order). A sink that keeps a row's features
+    beyond the call must own them: ``FeatureBuffer.add`` copies them unless they are views of this step's
+    copy (``owned``: a decode or verification step's rows share one copy instead of one per request)."""
+    owned = prenorm.shape[0] <= SHARED_COPY_ROWS
+    if owned:
+        prenorm = prenorm.clone()  # the forward's output may be a buffer the next step reuses (graphs)
     off = 0
     for r in rows:
         valid = r.num_tokens
         if r.req_id in sampled:  # drop the rejected drafts
             valid = r.num_tokens - r.num_spec_tokens + len(sampled[r.req_id]) - 1
         if valid > 0:
-            sink(r.req_id, r.num_computed_tokens, prenorm[off:off + valid])
+            sink(r.req_id, r.num_computed_tokens, prenorm[off:off + valid], owned)
         off += r.num_tokens
 
 
 class FeatureBuffer:
     """One request's features since its last proposal: contiguous positions ``first .. first + count``. The
     count is kept, not summed over the chunks: a request that does not draft for a while gathers a chunk per
-    step, and the controller reads every buffer's length every step."""
+    step, and the controller reads every buffer's length every step.
 
-    __slots__ = ("first", "chunks", "count")
+    Chunks that are views of a step's copy (``sink_features``) are kept as they are; they keep that copy (all
+    the step's rows) alive, so every ``COMPACT_AT`` of them are joined into one chunk of the buffer's own."""
+
+    __slots__ = ("first", "chunks", "count", "views")
+    COMPACT_AT = 8
 
     def __init__(self) -> None:
         self.first = 0
         self.chunks: list[torch.Tensor] = []
         self.count = 0
+        self.views = 0  # the last chunks that are views of a step's copy
 
-    def add(self, pos: int, h: torch.Tensor) -> None:
+    def add(self, pos: int, h: torch.Tensor, owned: bool = False) -> None:
         if not self.chunks or pos != self.first + self.count:  # first chunk, or a restart (preemption, prefix hit)
-            self.first, self.chunks, self.count = pos, [], 0
-        self.chunks.append(h.clone())  # NOTE: a view would keep the step's whole [T, hidden] alive
+            self.first, self.chunks, self.count, self.views = pos, [], 0, 0
+        if not owned:  # NOTE: a view of the forward's output is not ours to keep
+            h = h.clone()
+            self.views = 0
+        self.chunks.append(h)
         self.count += h.shape[0]
+        if owned:
+            self.views += 1
+            if self.views >= self.COMPACT_AT:
+                self.chunks[-self.views:] = [torch.cat(self.chunks[-self.views:])]
+                self.views = 0
 
     def __len__(self) -> int:
         return self.count
@@ -61,7 +85,7 @@ class FeatureBuffer:
             return None
         out = (self.first, torch.cat(self.chunks) if len(self.chunks) > 1 else self.chunks[0])
         self.first += out[1].shape[0]
-        self.chunks, self.count = [], 0
+        self.chunks, self.count, self.views = [], 0, 0
         return out
 
 

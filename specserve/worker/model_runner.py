@@ -343,10 +343,10 @@ class ModelRunner:
                 flat = kv.view(2, -1, *kv.shape[3:])
                 flat[:, d] = flat[:, s]
 
-    def _keep_features(self, req_id: str, pos: int, h: torch.Tensor) -> None:
+    def _keep_features(self, req_id: str, pos: int, h: torch.Tensor, owned: bool) -> None:
         c = self.requests.get(req_id)
         if c is not None and c.spec_enabled and self.drafter is not None:
-            self.drafter.keep_features(req_id, pos, h)
+            self.drafter.keep_features(req_id, pos, h, owned)
 
     def _sync_requests(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
