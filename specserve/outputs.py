@@ -36,6 +36,8 @@ class ScheduledRequest:
     # A draft tree: the parent of each draft (an index among the drafts; -1: the last known token), every
     # parent before its children. None: the drafts are a chain.
     spec_parents: tuple[int, ...] | None = None
+    # The logits of this row's prompt positions score the prompt tokens after them (``prompt_logprobs``).
+    score_prompt: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +66,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     spec_parents: dict[str, list[int]] = field(default_factory=dict)  # the drafts that form a tree
     spec_sources: dict[str, str] = field(default_factory=dict)  # where the drafts verified this step came from
+    # Rows with ``score_prompt``: (the prompt index of the first token scored, one entry per scored token:
+    # token_id, logprob, rank, top).
+    prompt_logprobs: dict[str, tuple[int, list[dict[str, Any]]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -91,3 +96,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, Any] = field(default_factory=dict)
+    # With ``SamplingParams.prompt_logprobs``: one entry per prompt token (None for the first, which nothing
+    # predicts): {token_id, logprob, rank, top: [(token_id, logprob), ...]}.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None

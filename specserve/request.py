@@ -112,6 +112,9 @@ class Request:
     spec_source_stats: dict[str, SpecStats] = field(default_factory=dict)  # the same, per draft source
     group_id: str | None = None  # n > 1: siblings share the prompt (scheduled after the first prefill)
     grammar: Any = None  # the compiled grammar of params.structured_outputs
+    # The prompt's logprobs are wanted (``prompt_logprobs``) and not all computed yet: every prompt position is
+    # computed (no prefix-cache hit) and scored (outputs.ScheduledRequest.score_prompt).
+    score_prompt: bool = False
 
     @property
     def min_tokens_stop_ids(self) -> tuple[int, ...]:

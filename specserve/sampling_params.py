@@ -100,7 +100,8 @@ class SamplingParams:
 
     ``top_k`` <= 0 means "off" (-1 is the canonical value); ``max_tokens=None`` means "up to the context end"
     (resolved by :meth:`check_context`). ``logprobs`` is the number of top alternatives returned per generated
-    token (the chosen token's logprob is always included when it is not None).
+    token (the chosen token's logprob is always included when it is not None); ``prompt_logprobs`` the same for
+    every prompt token after the first (vLLM's name: ``RequestOutput.prompt_logprobs``; the API's ``echo``).
     """
 
     n: int = 1
@@ -119,6 +120,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling.
@@ -192,10 +194,12 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}"
             )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     def _validate_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -161,6 +161,50 @@ def test_logprobs_and_penalties(llm):
     assert max(pen.count(t) for t in set(pen)) <= max(plain.count(t) for t in set(plain))
 
 
+def test_prompt_logprobs_equal_the_reference_forward(ckpt):
+    """``prompt_logprobs``: every prompt token after the first gets its logprob (and rank, and the top n)
+    under the model's log_softmax at the position before it, as transformers computes them; in prompt chunks
+    (a small token budget), over more rows than one scoring slice, with the prompt cached by an earlier
+    request (its positions are computed again, not taken from the cache), for n > 1, and beside requests
+    that ask none. The generated tokens are the same as without it."""
+    import transformers as tf
+
+    from specserve.worker import model_runner
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    llm = LLM(ckpt, num_blocks=512, block_size=8, max_num_batched_tokens=48, dtype="float32",
+              kv_cache_dtype="float32")
+    long_prompt, short = random_prompts(1, seed=21)[0] * 6, random_prompts(1, seed=22)[0]
+    with torch.no_grad():
+        ref = {len(p): torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), dim=-1)
+               for p in (long_prompt, short)}
+    old = model_runner.SCORE_ROWS
+    model_runner.SCORE_ROWS = 40  # several slices in one step of the 48-token budget
+    try:
+        for _ in range(2):  # the second run finds the prompt in the prefix cache
+            outs = llm.generate(None, [SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3, ignore_eos=True),
+                                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                       SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, n=2,
+                                                      ignore_eos=True)],
+                                prompt_token_ids=[long_prompt, long_prompt, short])
+            assert outs[1].prompt_logprobs is None
+            for out, prompt, top in ((outs[0], long_prompt, 3), (outs[2], short, 0)):
+                lp, r = out.prompt_logprobs, ref[len(prompt)]
+                assert lp is not None and len(lp) == len(prompt) and lp[0] is None
+                for j in range(1, len(prompt)):
+                    e, row = lp[j], r[j - 1]
+                    assert e is not None and e["token_id"] == prompt[j]
+                    assert e["logprob"] == pytest.approx(float(row[prompt[j]]), abs=1e-4)
+                    assert float(row.sort(descending=True).values[e["rank"] - 1]) == pytest.approx(float(row[prompt[j]]),
+                                                                                                abs=1e-4)
+                    assert len(e["top"]) == top
+                    assert [v for _, v in e["top"]] == pytest.approx(row.topk(top).values.tolist(), abs=1e-4)
+            assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    finally:
+        model_runner.SCORE_ROWS = old
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
 def test_abort_frees_everything(llm):
     eng = llm.engine
     total = eng.kv.pool.num_blocks

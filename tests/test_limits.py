@@ -125,6 +125,8 @@ def test_context_n_logprobs_stop_seed_and_batch_bounds(server, server_engine):
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10 * ctx}, "prompt", "context length"),
         (c, {"prompt": "hi", "n": 17}, "n", "n must be in [1, 16]"),
         (c, {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
+        (c, {"prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
+        (c, {"prompt": "hi", "echo": True, "logprobs": 21}, "logprobs", "must be in [0, 20]"),
         ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "logprobs",
          "[0, 20]"),
         (c, {"prompt": "hi", "stop": [f"s{i}" for i in range(65)]}, "stop", "at most 64"),
@@ -141,6 +143,7 @@ def test_context_n_logprobs_stop_seed_and_batch_bounds(server, server_engine):
     # Inside the bounds: all accepted.
     ok = [{"prompt": "hi", "n": 16, "max_tokens": 1, "seed": 2**63 - 17},
           {"prompt": "hi", "logprobs": 20, "max_tokens": 1},
+          {"prompt": "hi", "logprobs": 20, "echo": True, "prompt_logprobs": 20, "max_tokens": 1},
           {"prompt": "hi", "stop": [f"s{i}" for i in range(64)], "max_tokens": 1},
           {"prompt": [42] * (ctx - 1), "max_tokens": 1}]
     for body in ok:

@@ -27,6 +27,45 @@ def _complete(client: openai.OpenAI, prompt, **kw):
     return client.completions.create(model=MODEL, prompt=prompt, **kw)
 
 
+def test_echo_scores_the_prompt_as_lm_eval_asks(server, client, server_engine):
+    """lm-evaluation-harness's loglikelihood request (token-id prompts, max_tokens 1, logprobs 1, echo): every
+    prompt token after the first gets its logprob, and the prompt's last token scores as it did when the
+    model generated it; the text is prompt + completion, streamed or not; vLLM's ``prompt_logprobs`` field."""
+    tok = server_engine.tokenizer
+    ctx = tok.encode("The capital of France is")
+    gen = _complete(client, ctx, max_tokens=1, logprobs=1)
+    g_text, g_lp = gen.choices[0].text, gen.choices[0].logprobs.token_logprobs[0]
+    g = tok.encode(g_text)
+    assert len(g) == 1  # (" Paris": one token, as generated)
+    full = ctx + g
+    other = tok.encode("def add(a, b):")
+    r = _complete(client, [full, other], max_tokens=1, logprobs=1, echo=True)
+    for choice, ids in zip(r.choices, (full, other)):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 1  # the prompt, then the one new token
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+        assert choice.text == tok.decode(ids, skip_special_tokens=False) + lp.tokens[-1]
+        assert lp.text_offset[len(ids)] == len(choice.text) - len(lp.tokens[-1])
+        # lm-eval's parse: the continuation's logprob and whether it is greedy
+        cont, tops = lp.token_logprobs[1:-1], lp.top_logprobs[1:-1]
+        assert sum(cont) < 0 and all(c <= max(t.values()) + 1e-6 for c, t in zip(cont, tops))
+    # the generated token, scored as part of a prompt
+    assert r.choices[0].logprobs.token_logprobs[len(ctx)] == pytest.approx(g_lp, abs=1e-4)
+    assert r.choices[0].logprobs.top_logprobs[len(ctx)] == {g_text: pytest.approx(g_lp, abs=1e-4)}
+    streamed = list(client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, temperature=0,
+                                              echo=True, stream=True))
+    plain = _complete(client, "Hello there", max_tokens=4, echo=True)
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+    assert plain.choices[0].text.startswith("Hello there") and plain.choices[0].logprobs is None
+    v = _complete(client, other, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    pl = v.choices[0].model_extra["prompt_logprobs"]
+    assert v.choices[0].text == r.choices[1].logprobs.tokens[-1] and pl[0] is None and len(pl) == len(other)
+    for j in range(1, len(other)):
+        assert str(other[j]) in pl[j] and 2 <= len(pl[j]) <= 3
+        assert pl[j][str(other[j])]["logprob"] == pytest.approx(r.choices[1].logprobs.token_logprobs[j], abs=1e-5)
+
+
 def test_models_and_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

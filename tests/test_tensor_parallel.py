@@ -123,11 +123,19 @@ def test_tiny_models_match_one_rank(tmp_path, monkeypatch, family, over, comm):
     prompts = _random_prompts(8, vocab)
     ref_llm = LLM(path, **kw)
     ref = _greedy(ref_llm, prompts)
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=2)  # the prompt's logprobs: a mirrored LM head too
+
+    def scores(llm: LLM) -> list[float]:
+        return [e["logprob"] for o in llm.generate(None, scoring, prompt_token_ids=prompts[:2])
+                for e in o.prompt_logprobs or [] if e is not None]
+
     with LLM(path, tensor_parallel_size=2, **kw) as llm:
         assert llm.engine.runner.model.local.num_heads == 2  # half of the 4 heads
         assert llm.engine.runner.comm.backend == comm
         got = _greedy(llm, prompts)
         got_alone = [_greedy(llm, [p])[0] for p in prompts[:3]]
+        got_scores = scores(llm)
+    assert got_scores and got_scores == pytest.approx(scores(ref_llm), abs=1e-4)
     _assert_matches(ref_llm, prompts, got, ref)
     _assert_matches(ref_llm, prompts[:3], got_alone, ref[:3])
 

@@ -38,6 +38,8 @@ class _Group:
     detoks: list[IncrementalDetokenizer]
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    # SamplingParams.prompt_logprobs: an entry per prompt token (the first stays None), from the first child
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -121,13 +123,15 @@ class Engine:
             raise ValueError(f"prompt + max_tokens ({len(prompt_token_ids) + max_tokens} tokens) can never fit "
                              f"in the KV cache ({self.kv.pool.num_blocks * self.kv.block_size} tokens)")
         group = _Group(request_id, text, list(prompt_token_ids), [], [], [])
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prompt_token_ids)
         for i in range(params.n):
             child_params = params if params.n == 1 else replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, list(prompt_token_ids), child_params, max_tokens, self.eos_token_ids,
                           text, spec_enabled=speculative, group_id=request_id if params.n > 1 else None,
-                          grammar=grammar)
+                          grammar=grammar, score_prompt=params.prompt_logprobs is not None and i == 0)
             group.children.append(req)
             group.completions.append(CompletionOutput(i, "", []))
             group.detoks.append(self.tokenizer.incremental(prompt_token_ids, params.skip_special_tokens))
@@ -185,6 +189,10 @@ class Engine:
 
     def _update(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
         self.stats.num_steps += 1
+        for rid, (first, entries) in ro.prompt_logprobs.items():
+            found = self._child_group.get(rid)
+            if found is not None and found[0].prompt_logprobs is not None:
+                found[0].prompt_logprobs[first:first + len(entries)] = entries
         touched: dict[str, _Group] = {}
         for req in self.scheduler.update(so, ro, self._append):
             group = self._child_group[req.request_id][0]
@@ -226,7 +234,8 @@ class Engine:
         }
         outs = [replace(c, token_ids=list(c.token_ids), spec_accepted=list(c.spec_accepted),
                         logprobs=list(c.logprobs) if c.logprobs else c.logprobs) for c in group.completions]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics,
+                             None if group.prompt_logprobs is None else list(group.prompt_logprobs))
 
     # -- introspection --------------------------------------------------------------------------------------
     def spec_stats(self) -> SpecStats:

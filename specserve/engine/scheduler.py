@@ -91,7 +91,8 @@ class Scheduler:
             if self._sibling_prefilling(req):
                 skipped.append(req)  # n > 1: wait for the first sibling's prompt to be cached
                 continue
-            blocks, hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            blocks, hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 and not req.score_prompt \
+                else ([], 0)
             n = req.num_tokens - hit
             if n > budget and not self.config.enable_chunked_prefill:
                 self.waiting.appendleft(req)
@@ -160,6 +161,7 @@ class Scheduler:
                 needs_sample=start + len(known) == req.num_tokens,
                 resumed=req.resumed,
                 spec_parents=parents,
+                score_prompt=req.score_prompt,
             ))
             req.resumed = False
         finished, self._finished_ids = self._finished_ids, []
@@ -179,6 +181,8 @@ class Scheduler:
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens += row.num_tokens
+            if req.score_prompt and req.num_computed_tokens >= req.num_prompt_tokens:
+                req.score_prompt = False  # every prompt token is scored: a recompute may hit the prefix cache
             req.spec_token_ids = []
             req.spec_parents = None
             emitted = ro.sampled.get(row.req_id)

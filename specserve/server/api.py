@@ -243,6 +243,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return as_api_error(e, completion_fields, body.constraint_param()).response()
         run = Run(state, rid, streams, params, body.include_usage)
         run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
+        run.echo, run.prompt_field = bool(body.echo), body.prompt_logprobs is not None
         if body.stream:
             return sse_response(events(run, completion_chunks(run), "text_completion"))
         try:

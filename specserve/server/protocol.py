@@ -7,8 +7,9 @@ OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and vL
 (``json`` | ``regex`` | ``choice`` | ``grammar`` | ``json_object``) or its older ``guided_json`` /
 ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, on both routes (one of them per request).
 Extensions (vLLM names): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens`` and ours, ``speculative`` (default
-true) and ``stream_options.include_spec_info`` (default false; see ``server/webui.py``).
+``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``, completions' ``prompt_logprobs`` and
+ours, ``speculative`` (default true) and ``stream_options.include_spec_info`` (default false; see
+``server/webui.py``). Completions' ``echo`` shows the prompt (and, with ``logprobs``, its tokens' logprobs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -183,14 +185,14 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
     logprobs: int | None = None
     echo: bool | None = False
+    prompt_logprobs: int | None = None  # vLLM's: each choice's ``prompt_logprobs``
     suffix: str | None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """With ``echo`` and ``logprobs``, the prompt's tokens get logprobs too (``prompt_logprobs``)."""
+        params = super().sampling_params(max_tokens, logprobs)
+        want = self.prompt_logprobs if self.prompt_logprobs is not None else logprobs if self.echo else None
+        return params if want is None else replace(params, prompt_logprobs=want)
 
     @field_validator("suffix")
     @classmethod
@@ -321,6 +323,7 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extension: the stop string / token that ended the text
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM extension (request's own)
 
 
 class CompletionResponse(BaseModel):
@@ -429,6 +432,55 @@ def completion_logprobs(decode: Callable[[int], str], entries: list[dict[str, An
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
 
+@dataclass
+class Echo:
+    """A completion choice's prompt as the response shows it: ``text`` echoed before the completion
+    (``echo``; None without it), and the prompt's logprobs (``RequestOutput.prompt_logprobs``: None for the
+    first token), shown in the choice's ``logprobs`` with ``echo`` and as vLLM's ``prompt_logprobs`` field
+    when that was asked for (``field``)."""
+
+    token_ids: list[int]
+    text: str | None
+    scores: list[dict[str, Any] | None] | None
+    show_field: bool
+    decode: Callable[[int], str]
+
+    def logprobs(self) -> dict[str, Any]:
+        """The prompt tokens in the legacy format (their first token has no logprob and no alternatives)."""
+        tokens, chosen, tops, offsets, offset = [], [], [], [], 0
+        scores = self.scores or [None] * len(self.token_ids)
+        for tok, e in zip(self.token_ids, scores):
+            s = self.decode(tok)
+            tokens.append(s)
+            chosen.append(e["logprob"] if e is not None else None)
+            tops.append({self.decode(i): lp for i, lp in e["top"]} if e is not None else None)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+    def field(self) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank, decoded_token}} for the token
+        and its top alternatives (None for the first token)."""
+        if not self.show_field or self.scores is None:
+            return None
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for e in self.scores:
+            if e is None:
+                out.append(None)
+                continue
+            item = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"],
+                                         "decoded_token": self.decode(e["token_id"])}}
+            for rank, (tok, lp) in enumerate(e["top"], start=1):
+                item.setdefault(str(tok), {"logprob": lp, "rank": rank, "decoded_token": self.decode(tok)})
+            out.append(item)
+        return out
+
+
+def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy logprobs objects as one (the second's offsets already count the first's text)."""
+    return {k: first[k] + second[k] for k in first}
+
+
 def chat_logprobs(decode: Callable[[int], str], entries: list[dict[str, Any]]) -> dict[str, Any]:
     """Chat format: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
     def item(tok: int, lp: float) -> dict[str, Any]:
@@ -473,11 +525,20 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[tuple[int, CompletionOutput]],
-                        usage: Usage, decode: Callable[[int], str] | None) -> dict[str, Any]:
-    """The non-streamed /v1/completions body; ``decode`` is given when logprobs were asked for."""
-    out = [CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                            logprobs=completion_logprobs(decode, c.logprobs or [], 0) if decode else None)
-           for i, c in choices]
+                        usage: Usage, decode: Callable[[int], str] | None,
+                        echoes: list[Echo | None] | None = None) -> dict[str, Any]:
+    """The non-streamed /v1/completions body; ``decode`` is given when logprobs were asked for; ``echoes[i]``:
+    choice i's prompt, echoed before its text (``echo``) and/or scored (``prompt_logprobs``)."""
+    out = []
+    for i, c in choices:
+        echo = echoes[i] if echoes is not None else None
+        text, lp = c.text, completion_logprobs(decode, c.logprobs or [], 0) if decode else None
+        if echo is not None and echo.text is not None:
+            text = echo.text + c.text
+            if decode is not None:
+                lp = join_logprobs(echo.logprobs(), completion_logprobs(decode, c.logprobs or [], len(echo.text)))
+        out.append(CompletionChoice(index=i, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                    logprobs=lp, prompt_logprobs=echo.field() if echo is not None else None))
     return CompletionResponse(id=rid, created=created, model=model, choices=out, usage=usage).model_dump()
 
 

@@ -110,6 +110,9 @@ class Run:
         self._hold = max((len(s) for s in params.stop or []), default=1) - 1  # see Delta
         self.spec_info: webui.SpecInfo | None = None  # stream_options.include_spec_info (server/webui.py)
         self.tool_plan: ToolPlan | None = None  # chat with tools (server/tools.py)
+        # completions: ``echo`` (the prompt before each choice's text) and vLLM's ``prompt_logprobs`` field
+        self.echo = False
+        self.prompt_field = False
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         async for i, out in merge_streams(self.streams):
@@ -129,6 +132,16 @@ class Run:
 
     def decode(self, token_id: int) -> str:
         return self.state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def echo_of(self, out: RequestOutput | None) -> proto.Echo | None:
+        """How a completion choice of this prompt shows it (``echo`` / ``prompt_logprobs``; None: not at all)."""
+        if out is None or not (self.echo or self.prompt_field):
+            return None
+        text = None
+        if self.echo:
+            text = out.prompt if out.prompt is not None else \
+                self.state.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        return proto.Echo(out.prompt_token_ids, text, out.prompt_logprobs, self.prompt_field, self.decode)
 
     def finish(self) -> None:
         reasons = [c.finish_reason for o in self.final if o is not None for c in o.outputs]
@@ -186,10 +199,19 @@ async def events(run: Run, chunks: AsyncGenerator[dict[str, Any], None], obj: st
 
 async def completion_chunks(run: Run) -> AsyncGenerator[dict[str, Any], None]:
     n, want_lp = run.params.n, run.params.logprobs is not None
+    echoed: dict[int, int] = {}  # choice -> characters of echoed prompt (sent in its first chunk)
     async for i, out in run.outputs():
         for comp in out.outputs:
             idx = i * n + comp.index
-            offset = run.deltas[idx].sent if idx in run.deltas else 0
+            echo = run.echo_of(out) if idx not in echoed else None
+            if echo is not None:  # the prompt first, in a chunk of its own
+                echoed[idx] = len(echo.text or "")
+                yield {"id": run.id, "object": "text_completion", "created": run.created, "model": run.model,
+                       "choices": [{"index": idx, "text": echo.text or "",
+                                    "logprobs": echo.logprobs() if want_lp and echo.text is not None else None,
+                                    "finish_reason": None, "stop_reason": None,
+                                    **({"prompt_logprobs": echo.field()} if echo.show_field else {})}]}
+            offset = (run.deltas[idx].sent if idx in run.deltas else 0) + echoed.get(idx, 0)
             step = run.advance(idx, comp)
             if step is None:
                 continue
@@ -276,7 +298,8 @@ def _tool_deltas(plan: ToolPlan, comp: CompletionOutput, released: int, sent: di
 
 def completion_response(run: Run) -> dict[str, Any]:
     decode = run.decode if run.params.logprobs is not None else None
-    return proto.completion_response(run.id, run.created, run.model, run.choices(), run.usage(), decode)
+    echoes = [run.echo_of(o) for o in run.final for _ in range(run.params.n)]
+    return proto.completion_response(run.id, run.created, run.model, run.choices(), run.usage(), decode, echoes)
 
 
 def chat_response(run: Run) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from specserve.platform import Platform, resolve_dtype, resolve_kv_dtype, to_dev
 from specserve.sample.grammar import GrammarState
 from specserve.sample.rejection_sampler import accept_greedy, verify, verify_tree
 from specserve.sample.sampler import (
+    Logprobs,
     RequestSamplingState,
     compute_logprobs,
     greedy_argmax,
@@ -53,6 +54,22 @@ from specserve.worker.mirror import Mirror
 log = logging.getLogger("specserve")
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
+SCORE_ROWS = 256  # prompt positions whose logits (and log_softmax) exist at once while scoring a prompt
+
+
+def prompt_entries(scores: Logprobs, ids: list[int], scored: list[tuple[str, int, int, int]]
+                   ) -> dict[str, tuple[int, list[dict[str, Any]]]]:
+    """``ModelRunnerOutput.prompt_logprobs`` from the scores of the tokens ``ids``, in ``_prompt_scores``'
+    order."""
+    chosen, ranks = scores.token_logprobs.tolist(), scores.token_ranks.tolist()
+    top_ids, top_vals = scores.top_ids.tolist(), scores.top_logprobs.tolist()
+    out: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+    j = 0
+    for req_id, first, n, want in scored:
+        out[req_id] = (first, [{"token_id": ids[i], "logprob": chosen[i], "rank": ranks[i],
+                                "top": list(zip(top_ids[i][:want], top_vals[i][:want]))} for i in range(j, j + n)])
+        j += n
+    return out
 
 
 @dataclass(slots=True)
@@ -64,6 +81,7 @@ class CachedRequest:
     max_tokens: int
     spec_enabled: bool
     draft_probs: torch.Tensor | None = None  # [k, V] q of the drafts proposed last step (None: one-hot)
+    num_prompt: int = 0
 
 
 def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int,
@@ -217,13 +235,24 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------------------------------
     def _forward(self, token_ids: list[tuple[int, ...]], starts: list[int], block_ids: list[tuple[int, ...]],
-                 prenorm: bool, logits_at: list[int], trees: list[RowTree | None] | None = None
-                 ) -> tuple[StepOutput, torch.Tensor | None]:
-        """The target forward and the logits at ``logits_at`` (flat token indices): one mirrored call."""
+                 prenorm: bool, logits_at: list[int], trees: list[RowTree | None] | None = None,
+                 score: tuple[list[int], list[int], int] | None = None
+                 ) -> tuple[StepOutput, torch.Tensor | None, Logprobs | None]:
+        """The target forward and the logits at ``logits_at`` (flat token indices): one mirrored call. With
+        ``score`` = (flat token indices, the token each one's logits score, top n): those tokens' logprobs
+        (``prompt_logprobs``), a slice of rows at a time, so a long prompt never holds [T, vocab] logits."""
         out = self.target_step(token_ids, starts, block_ids, prenorm=prenorm, trees=trees)
+        scores = None
+        if score is not None:
+            at, ids, top = score
+            parts = [compute_logprobs(self.model.compute_logits(out.hidden[to_device(at[i:i + SCORE_ROWS],
+                                                                                       self.device, torch.int64)]),
+                                      to_device(ids[i:i + SCORE_ROWS], self.device, torch.int64), top)
+                     for i in range(0, len(at), SCORE_ROWS)]
+            scores = Logprobs(*(torch.cat(t) for t in zip(*parts)))
         if not logits_at:
-            return out, None
-        return out, self.model.compute_logits(out.hidden[to_device(logits_at, self.device, torch.int64)])
+            return out, None, scores
+        return out, self.model.compute_logits(out.hidden[to_device(logits_at, self.device, torch.int64)]), scores
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._sync_requests(so)
@@ -235,14 +264,16 @@ class ModelRunner:
         sink = self.feature_sink
         sample_rows = [r for r in rows if r.needs_sample]
         trees = [_row_tree(r) for r in rows]
-        out, logits = self._target_call([r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
-                                        [r.block_ids for r in rows], sink is not None, self._logits_indices(rows),
-                                        trees if any(t is not None for t in trees) else None)
+        score, scored = self._prompt_scores(rows)
+        out, logits, scores = self._target_call(
+            [r.token_ids for r in rows], [r.num_computed_tokens for r in rows], [r.block_ids for r in rows],
+            sink is not None, self._logits_indices(rows), trees if any(t is not None for t in trees) else None, score)
+        prompt_logprobs = prompt_entries(scores, score[1], scored) if scores is not None and score else {}
         prenorm = out.prenorm  # [T, hidden]: the last layer's output, pre-norm (when a sink wants it)
         if logits is None:  # no row samples this step (prefill chunks only)
             if sink is not None and prenorm is not None:
                 sink_features(rows, {}, prenorm, sink)
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_logprobs)
         cached = [self.requests[r.req_id] for r in sample_rows]
         states = [c.state for c in cached]
         counts = [r.num_spec_tokens + 1 for r in sample_rows]
@@ -279,7 +310,30 @@ class ModelRunner:
             sink_features(rows, sampled, prenorm, sink)
         spec_token_ids, spec_parents = self._propose(sample_rows, emitted, so.draining) if drafter is not None \
             else ({}, {})
-        return ModelRunnerOutput(sampled, spec_token_ids, logprobs, spec_parents, sources)
+        return ModelRunnerOutput(sampled, spec_token_ids, logprobs, spec_parents, sources, prompt_logprobs)
+
+    def _prompt_scores(self, rows: list[ScheduledRequest]
+                       ) -> tuple[tuple[list[int], list[int], int] | None, list[tuple[str, int, int, int]]]:
+        """For rows with ``score_prompt``: (flat indices of their prompt positions that precede another prompt
+        token, those next tokens, the largest top n asked), and per row (req_id, the prompt index of its first
+        scored token, how many, its top n)."""
+        at: list[int] = []
+        ids: list[int] = []
+        scored: list[tuple[str, int, int, int]] = []
+        top, off = 0, 0
+        for r in rows:
+            if r.score_prompt:
+                c = self.requests[r.req_id]
+                start = r.num_computed_tokens
+                end = min(start + r.num_tokens - r.num_spec_tokens, c.num_prompt - 1)  # positions start..end-1
+                if end > start:
+                    want = c.state.params.prompt_logprobs or 0
+                    at.extend(range(off, off + end - start))
+                    ids.extend(c.token_ids[start + 1:end + 1])
+                    scored.append((r.req_id, start + 1, end - start, want))
+                    top = max(top, want)
+            off += r.num_tokens
+        return ((at, ids, top) if at else None), scored
 
     @staticmethod
     def _verify(processed: torch.Tensor, rows: list[ScheduledRequest], states: list[RequestSamplingState],
@@ -359,7 +413,7 @@ class ModelRunner:
                                                 nr.min_tokens_stop_ids,
                                                 GrammarState(nr.grammar) if nr.grammar is not None else None)
             self.requests[nr.req_id] = CachedRequest(state, list(nr.prompt_token_ids), nr.max_tokens,
-                                                     nr.spec_enabled)
+                                                     nr.spec_enabled, num_prompt=len(nr.prompt_token_ids))
         for r in so.rows:
             if r.resumed and self.drafter is not None:
                 self.drafter.forget_kv(r.req_id)
