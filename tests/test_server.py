@@ -66,6 +66,25 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(server, client, server_engine):
         assert pl[j][str(other[j])]["logprob"] == pytest.approx(r.choices[1].logprobs.token_logprobs[j], abs=1e-5)
 
 
+def test_tokenizer_routes_as_vllm_and_lm_eval_use_them(server, server_engine):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (lm-evaluation-harness tokenizes through them when a
+    server has them): the engine's own tokenizer and chat template, round trips, the model's context."""
+    tok = server_engine.tokenizer
+    text = "The capital of France is Paris."
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                                    "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode(text, add_special_tokens=False) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == server_engine.max_model_len and "".join(r["token_strs"]) == text
+    back = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json()
+    assert back == {"prompt": text}
+    msgs = [{"role": "user", "content": "Say hi"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": msgs}).json()
+    assert chat["tokens"] == tok.apply_chat_template(msgs) and chat["token_strs"] is None
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    assert info["eos_token"] and info["chat_template"] and info["model_max_length"] == server_engine.max_model_len
+    assert httpx.post(f"{server.url}/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
 def test_models_and_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

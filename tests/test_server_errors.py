@@ -228,6 +228,11 @@ CASES = [
     ("over context (ids)", "/v1/completions", {"prompt": [42] * 1020, "max_tokens": 16}, "prompt", "context length"),
     ("over context (text)", "/v1/completions", {"prompt": "hello " * 1100}, "prompt", "context length"),
     ("token id out of vocab", "/v1/completions", {"prompt": [10**9]}, "prompt", "token ids"),
+    ("tokenize nothing", "/tokenize", {"add_special_tokens": False}, None, "either prompt or messages"),
+    ("tokenize both", "/tokenize", {"prompt": "hi", **CHAT}, None, "either prompt or messages"),
+    ("tokenize unknown field", "/tokenize", {"prompt": "hi", "text": "x"}, "text", "text"),
+    ("detokenize out of vocab", "/detokenize", {"tokens": [1, 10**9]}, "tokens", "token ids"),
+    ("detokenize not ids", "/detokenize", {"tokens": ["a"]}, "tokens", "tokens"),
 ]
 
 
@@ -275,6 +280,10 @@ def test_auth(auth_server):
     _error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401, code="invalid_api_key")
     _error(httpx.post(url, json=body, headers={"Authorization": "sk-test-key"}), 401, code="invalid_api_key")
     _error(httpx.get(f"{auth_server.url}/v1/models"), 401, code="invalid_api_key")
+    _error(httpx.post(f"{auth_server.url}/tokenize", json={"prompt": "hi"}), 401, code="invalid_api_key")
+    _error(httpx.get(f"{auth_server.url}/tokenizer_info"), 401, code="invalid_api_key")
+    key = {"Authorization": "Bearer sk-test-key"}
+    assert httpx.post(f"{auth_server.url}/tokenize", json={"prompt": "hi"}, headers=key).json()["count"] >= 1
     assert httpx.get(f"{auth_server.url}/health").status_code == 200
     ok = openai.OpenAI(base_url=f"{auth_server.url}/v1", api_key="sk-test-key", max_retries=0)
     assert ok.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1

@@ -44,6 +44,8 @@ from specserve.server.errors import APIError, as_api_error
 from specserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
 )
 from specserve.server.serving import (
     Run,
@@ -62,14 +64,20 @@ from specserve.server.tools import PARSERS, detect_parser, tool_plan, with_tools
 log = logging.getLogger("specserve.server")
 
 
+# vLLM's tokenizer routes (outside /v1, as there), behind the API key like /v1/*.
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
 class _AuthMiddleware:
-    """``Authorization: Bearer <key>`` on /v1/*; everything else (/health, /metrics) stays open."""
+    """``Authorization: Bearer <key>`` on /v1/* and the tokenizer routes; /health and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self._key = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path in TOKENIZER_ROUTES) \
+                and scope["method"] != "OPTIONS":
             auth = Headers(scope=scope).get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
@@ -208,6 +216,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     completion_fields = set(CompletionRequest.model_fields)
+    tokenize_fields = set(TokenizeRequest.model_fields)
     chat_fields = set(ChatCompletionRequest.model_fields)
 
     @app.get("/health")
@@ -225,6 +234,39 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        try:
+            state.check_model(body.model)
+            tok = state.tokenizer
+            if body.messages is not None:
+                ids = tok.apply_chat_template([m.template_dict() for m in body.messages], body.add_generation_prompt)
+            else:
+                ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        except Exception as e:
+            return as_api_error(e, tokenize_fields).response()
+        strs = [tok.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        vocab = state.tokenizer.vocab_size
+        try:
+            state.check_model(body.model)
+            if any(t < 0 or t >= vocab for t in body.tokens):
+                raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+        except Exception as e:
+            return as_api_error(e).response()
+        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        hf = state.tokenizer.hf_tokenizer
+        return {"tokenizer_class": type(hf).__name__, "bos_token": hf.bos_token, "eos_token": hf.eos_token,
+                "pad_token": hf.pad_token, "unk_token": hf.unk_token, "chat_template": state.chat_template,
+                "model_max_length": state.max_model_len, "vocab_size": state.tokenizer.vocab_size}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
