@@ -16,7 +16,7 @@ Every operation of ``/openapi.json`` is fuzzed with positive (schema-valid) and 
 examples; each example is sent with the key, and, when the server has one, without it and with a wrong one.
 Every response must be: no 5xx; JSON that parses, an OpenAI-shaped ``{"error": {...}}`` for every 4xx; a
 well-formed SSE stream (JSON events, the last one ``[DONE]``) for streamed successes; 401 without the key on
-/v1. Afterwards the server must be healthy: /health 200, a normal completion succeeds, nothing runs or waits
+/v1 and the tokenizer routes. Afterwards the server must be healthy: /health 200, a normal completion succeeds, nothing runs or waits
 and the whole KV pool is free.
 """
 
@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from specserve.server.api import TOKENIZER_ROUTES
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -61,7 +63,7 @@ def check_response(status: int, content_type: str, body: bytes, path: str, autho
     """Why this response breaks the contract, or None."""
     if status >= 500:
         return f"{status} server error: {body[:300]!r}"
-    if path.startswith("/v1") and not authorized:
+    if (path.startswith("/v1") or path in TOKENIZER_ROUTES) and not authorized:
         if status != 401:
             return f"{status} without a valid API key (expected 401)"
     if "application/json" in content_type:
