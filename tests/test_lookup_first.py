@@ -11,6 +11,7 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.sample.sampler import RequestSamplingState
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.controller import Acceptance
 from specserve.spec_decode.lookup_first import LookupFirstProposer
 from specserve.spec_decode.proposer import Draft, ProposeRequest
 from specserve.worker.features import FeatureBuffer
@@ -168,6 +169,18 @@ def test_routes_by_expected_gain_once_costs_are_measured():
     assert p.source(_req("a", long, None), 4) == "lookup"
     drafts = p.propose([_req("a", long, None, k=3)])
     assert drafts[0].token_ids == [6, 9, 2] and p._in_flight["a"] == 4
+    # the model's drafts first catch up on what it has not read: a long backlog makes lookup the better route
+    lag = {"a": 0}
+    p = LookupFirstProposer(model, min_n=3, max_n=4, rate=ctl.best_rate, model_gains=lambda r: ctl.gains(r, "model"),
+                            backlog=lag.__getitem__)
+    p._by_n[3] = Acceptance(4)
+    for _ in range(20):
+        p._by_n[3].observe(4, 1, decay=0.95)  # 3-token matches: one draft in four holds
+    ctl.record_catch_up(100, 0.004)  # 40 us a token
+    assert p.source(_req("a", short, None), 4) == "model"
+    lag["a"] = 300
+    p._routed.clear()
+    assert p.source(_req("a", short, None), 4) == "lookup"
 
 
 def _user_req(rid: str, tokens: list[int], user: str | None) -> ProposeRequest:

@@ -433,6 +433,18 @@ def test_a_level_draining_batch_needs_every_request_to_accept():
     assert min(c.choose_ks(reqs, remaining=[40] * 8)) > 0
 
 
+def test_an_open_batch_pays_for_the_drafts_catch_up():
+    """In a server's open batch too, a request whose head has not read its last few hundred tokens drafts only
+    when what the drafts bring outweighs that catch-up; lookup drafts read nothing first."""
+    c = _drain_controller(0.8, 0.0005)
+    reqs = ["r0", "r1", "r2", "r3"]
+    c.record_catch_up(100, 0.0065)  # 65 us a token
+    assert c.choose_ks(reqs, backlog=[0, 2, 0, 0])[1] > 0
+    assert c.choose_ks(reqs, backlog=[0, 400, 0, 0])[1] == 0
+    assert c.choose_ks(reqs, sources=["lookup"] * 4, backlog=[0, 400, 0, 0])[1] > 0
+    assert c.best_rate(c.gains("r1"), False, 400) < c.best_rate(c.gains("r1"), False, 0)
+
+
 def test_a_draining_batch_pays_for_the_drafts_catch_up():
     """A laggard whose head has a long backlog to read first (it has not drafted for a while) costs that
     catch-up too: measured per token, it can outweigh what the drafts would save."""

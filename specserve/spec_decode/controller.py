@@ -247,7 +247,8 @@ class SpecController:
         """k per request for the next step of these decoding requests; ``other_tokens`` are prefill tokens
         sharing the step; ``sources[i]`` is where request i's drafts come from this step (default: one);
         ``remaining[i]``: tokens request i has left in a draining batch (None: a server's open batch), and
-        ``backlog[i]`` the tokens its draft must catch up on before drafting (``record_catch_up``)."""
+        ``backlog[i]`` the tokens its draft must catch up on before drafting (``record_catch_up``): a request
+        whose model drafts first read a long backlog pays that in either plan."""
         if not req_ids:
             return []
         if not self.adaptive:
@@ -260,8 +261,9 @@ class SpecController:
             # The cost slope (or the draft's cost) is unknown: measure the other extreme.
             ks = [0 if self.last_k else self.max_k] * len(req_ids)
         else:
-            ks = self._best(req_ids, srcs, other_tokens) if remaining is None or len(req_ids) == 1 \
-                else self._drain_plan(req_ids, srcs, other_tokens, remaining, backlog or [0] * len(req_ids))
+            lag = backlog or [0] * len(req_ids)
+            ks = self._best(req_ids, srcs, other_tokens, lag) if remaining is None or len(req_ids) == 1 \
+                else self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
             self._since_explore += 1
             if self._since_explore >= self._explore_gap:  # keep the estimates honest around the optimum
                 self._since_explore = 0
@@ -281,11 +283,13 @@ class SpecController:
         self.last_k = max(ks)
         return ks
 
-    def _best(self, req_ids: list[str], sources: list[str], other: int) -> list[int]:
+    def _best(self, req_ids: list[str], sources: list[str], other: int, backlog: list[int]) -> list[int]:
         """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s."""
         pairs = sorted(((m, i) for i, (r, s) in enumerate(zip(req_ids, sources)) for m in self.gains(r, s)),
                        key=lambda x: -x[0])
-        return self._best_prefix(pairs, [s in FREE_SOURCES for s in sources], other)
+        free = [s in FREE_SOURCES for s in sources]
+        return self._best_prefix(pairs, free, other,
+                                 catch_up=[0.0 if f else self._catch_up * n for f, n in zip(free, backlog)])
 
     def _drain_plan(self, req_ids: list[str], sources: list[str], other: int, remaining: list[int],
                     backlog: list[int]) -> list[int]:
@@ -332,24 +336,31 @@ class SpecController:
                 best, best_rate = ks, rate
         return best
 
-    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int, produced: int = 0
-                     ) -> list[int]:
+    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int, produced: int = 0,
+                     catch_up: list[float] | None = None) -> list[int]:
         """Drafts per request from the prefix of ``pairs`` (worth in expected tokens, request index; by falling
         worth) that maximises predicted tokens/s; ``free[i]``: request i's drafts cost no draft step; ``other``
-        rows share the step, ``produced`` of them yield a token (decode rows; prefill rows yield none)."""
+        rows share the step, ``produced`` of them yield a token (decode rows; prefill rows yield none);
+        ``catch_up[i]``: seconds request i's draft first spends on its backlog once it drafts at all.
+
+        NOTE: without that price an EAGLE head that had been idle for a request (prompt lookup drafted it, or
+        nothing paid) was picked for one draft worth half a token and first read a hundred backlog tokens:
+        3 ms each time on `code` at batch 8, a quarter of the step."""
         b = len(free)
         ks = [0] * b
         best_n, best_rate = 0, self._rate(b, other, 0, float(b + produced), 0, 0) * (1.0 + self.min_gain)
-        tokens, k_max, drafting = float(b + produced), 0, 0
+        tokens, k_max, drafting, extra = float(b + produced), 0, 0, 0.0
         for n, (m, i) in enumerate(pairs, start=1):
             if m <= 0.0:
                 break
             if not free[i]:
-                drafting += ks[i] == 0
+                if ks[i] == 0:
+                    drafting += 1
+                    extra += catch_up[i] if catch_up is not None else 0.0
                 k_max = max(k_max, ks[i] + 1)
             ks[i] += 1
             tokens += m
-            rate = self._rate(b, other, n, tokens, k_max, drafting)
+            rate = self._rate(b, other, n, tokens, k_max, drafting, extra)
             if rate > best_rate * 1.0001:
                 best_n, best_rate = n, rate
         out = [0] * b
@@ -370,18 +381,20 @@ class SpecController:
         # the other rows are decode rows: each yields its token in every plan
         return self._best_prefix(items, [True] * len(probs), other_tokens, produced=other_tokens)
 
-    def best_rate(self, gains: list[float], free: bool) -> float | None:
+    def best_rate(self, gains: list[float], free: bool, backlog: int = 0) -> float | None:
         """Predicted tokens/s of one request drafting from a source whose draft j adds ``gains[j - 1]``
-        expected tokens, at its best k (0 included); ``free``: drafts cost no draft-model step. None while
-        the costs are not measured yet (or the controller is not adaptive)."""
+        expected tokens, at its best k (0 included); ``free``: drafts cost no draft-model step; ``backlog``:
+        tokens the draft first catches up on. None while the costs are not measured yet (or the controller is
+        not adaptive)."""
         if not self.adaptive or self.target_cost.distinct() < 2 or (not free and self.draft_cost.distinct() == 0):
             return None
         best, tokens = 0.0, 1.0
+        step = 0.0 if free else (self.draft_cost.predict(1) or 0.0)
+        lag = 0.0 if free else self._catch_up * backlog
         for k in range(len(gains) + 1):
             if k:
                 tokens += gains[k - 1]
-            t = (self.target_cost.predict(1 + k) or 0.0) + (k * (self.draft_cost.predict(1) or 0.0) if k and not free
-                                                             else 0.0)
+            t = (self.target_cost.predict(1 + k) or 0.0) + (k * step + lag if k else 0.0)
             if t > 0:
                 best = max(best, tokens / t)
         return best

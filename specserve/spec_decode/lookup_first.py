@@ -18,7 +18,7 @@ the predicted tokens/s of
 - lookup: its drafts priced by acceptance per draft position *for this match length* (kept here, over all
   requests, from the verifications of earlier lookup drafts), no draft-model step;
 - the model: its acceptance per position for this request (``model_gains``, the controller's), plus the draft
-  steps;
+  steps and the catch-up on the tokens it has not read yet (``backlog``);
 and drafts from the better one. Before costs are measured (or with a fixed k) any match goes to lookup.
 With ``grammar_cut`` (grammar-aware drafting) a structured-output request's lookup drafts are first cut
 where its grammar stops allowing them, so a continuation the grammar forbids leaves the step to the model.
@@ -45,10 +45,12 @@ class LookupFirstProposer:
     max_k = 16  # draft positions whose acceptance is tracked per match length
 
     def __init__(self, model: Proposer, min_n: int, max_n: int,
-                 rate: Callable[[list[float], bool], float | None] | None = None,
+                 rate: Callable[[list[float], bool, int], float | None] | None = None,
                  model_gains: Callable[[str], list[float]] | None = None,
-                 suffix: SuffixProposer | None = None, grammar_cut: bool = False) -> None:
+                 suffix: SuffixProposer | None = None, grammar_cut: bool = False,
+                 backlog: Callable[[str], int] | None = None) -> None:
         self.model = model
+        self.backlog = backlog  # tokens the model proposer must catch up on for a request before it drafts
         self.grammar_cut = grammar_cut
         self.suffix = suffix
         self.ngrams = NgramIndexes(min_n, max_n)
@@ -113,8 +115,8 @@ class LookupFirstProposer:
     def _route(self, req_id: str, toks: list[int], n: int) -> str:
         if self.rate is None or self.model_gains is None:
             return LOOKUP_SOURCE
-        by_lookup = self.rate(self.lookup_gains(n, len(toks)), True)
-        by_model = self.rate(self.model_gains(req_id), False)
+        by_lookup = self.rate(self.lookup_gains(n, len(toks)), True, 0)
+        by_model = self.rate(self.model_gains(req_id), False, self.backlog(req_id) if self.backlog is not None else 0)
         if by_lookup is None or by_model is None:
             return LOOKUP_SOURCE
         return LOOKUP_SOURCE if by_lookup >= by_model else MODEL_SOURCE

@@ -135,8 +135,9 @@ class Drafter:
         if spec_config.prompt_lookup_first:
             self._router = LookupFirstProposer(
                 model, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max,
-                rate=lambda gains, free: self.controller.best_rate(gains, free),
+                rate=lambda gains, free, backlog: self.controller.best_rate(gains, free, backlog),
                 model_gains=lambda req_id: self.controller.gains(req_id, MODEL_SOURCE), suffix=suffix,
+                backlog=self.backlog,
                 grammar_cut=spec_config.grammar_drafts)
             return self._router
         return model
@@ -202,6 +203,11 @@ class Drafter:
         self._tree_predicted.pop(req_id, None)
         self._sources.pop(req_id, None)
 
+    def backlog(self, req_id: str) -> int:
+        """Target features an EAGLE head must read for this request before it drafts (0 for other drafts)."""
+        buf = self._features.get(req_id)
+        return len(buf) if buf is not None else 0
+
     def forget_kv(self, req_id: str) -> None:
         """A preempted request resumes: its draft KV was freed with its blocks."""
         if self.proposer is not None:
@@ -235,10 +241,10 @@ class Drafter:
 
     def propose(self, cands: list[ProposeRequest], draining: bool = False) -> dict[str, Draft]:
         """Drafts for the next step. ``cands``: the speculating requests after this step, each with ``k`` the
-        most drafts it has room for; the controller picks each one's k within that (0: no drafts).
+        most drafts it has room for; the controller picks each one's k within that (0: no drafts), pricing the
+        features an EAGLE head must catch up on before it drafts (``backlog``).
         ``draining``: an offline batch that only drains; the controller then plans for the batch's end
-        (``SpecController.choose_ks``' ``remaining``: ``k`` + 1 tokens each; ``backlog``: the features an
-        EAGLE head must catch up on before it drafts).
+        (``SpecController.choose_ks``' ``remaining``: ``k`` + 1 tokens each).
 
         Structured outputs (``--no-grammar-drafts`` turns this off): where the request's grammar forces the
         next tokens, those are its drafts (free, source "grammar"); a draft model or head drafts among the
@@ -251,10 +257,8 @@ class Drafter:
                   if use_grammar and c.state.grammar is not None else [] for c in cands]
         sources = [GRAMMAR_SOURCE if f else proposer.source(c, controller.max_k)
                    for c, f in zip(cands, forced)]
-        remaining = backlog = None
-        if draining:
-            remaining = [c.k + 1 for c in cands]
-            backlog = [len(self._features.get(c.req_id) or ()) for c in cands]
+        remaining = [c.k + 1 for c in cands] if draining else None
+        backlog = [self.backlog(c.req_id) for c in cands]
         ks = controller.choose_ks([c.req_id for c in cands], sources=sources, remaining=remaining, backlog=backlog)
         out: dict[str, Draft] = {}
         reqs, req_sources = [], []
