@@ -207,7 +207,8 @@ def test_prompt_logprobs_equal_the_reference_forward(ckpt):
 
 def test_prompt_logprobs_survive_preemption_and_speculation(ckpt):
     """A pool too small for the batch (requests preempted, their prompts recomputed), chunked prefill and
-    n-gram drafts: every prompt token scored, the same logprobs and outputs as a roomy engine, no block kept."""
+    n-gram drafts: every prompt token scored, the same logprobs and outputs as a roomy engine, no block kept.
+    (Greedy outputs are compared exactly: this tiny model has no near-ties on these prompts.)"""
     r = random.Random(5)
     prompts = [[r.randrange(3, 250) for _ in range(r.randint(20, 60))] for _ in range(12)]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
@@ -219,7 +220,9 @@ def test_prompt_logprobs_survive_preemption_and_speculation(ckpt):
     for a, b in zip(ref, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert b.prompt_logprobs is not None and all(e is not None for e in b.prompt_logprobs[1:])
-        assert [e["logprob"] for e in b.prompt_logprobs[1:]] == [e["logprob"] for e in a.prompt_logprobs[1:]]
+        # (approximately: fp32 matmuls on float weights round by row count, docs/quantization.md)
+        assert [e["logprob"] for e in b.prompt_logprobs[1:]] == \
+            pytest.approx([e["logprob"] for e in a.prompt_logprobs[1:]], abs=1e-5)
     assert small.engine.kv.num_free_blocks == small.engine.kv.pool.num_blocks
 
 
