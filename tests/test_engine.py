@@ -207,18 +207,19 @@ def test_prompt_logprobs_equal_the_reference_forward(ckpt):
 
 def test_prompt_logprobs_survive_preemption_and_speculation(ckpt):
     """A pool too small for the batch (requests preempted, their prompts recomputed), chunked prefill and
-    n-gram drafts: every prompt token scored, the same logprobs and outputs as a roomy engine, no block kept.
-    (Greedy outputs are compared exactly: this tiny model has no near-ties on these prompts.)"""
+    n-gram drafts: every prompt token scored, the same logprobs and outputs as a roomy engine, no block kept."""
     r = random.Random(5)
     prompts = [[r.randrange(3, 250) for _ in range(r.randint(20, 60))] for _ in range(12)]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
-    ref = LLM(ckpt, num_blocks=512, block_size=8, dtype="float32").generate(None, sp, prompt_token_ids=prompts)
+    roomy = LLM(ckpt, num_blocks=512, block_size=8, dtype="float32")
+    ref = roomy.generate(None, sp, prompt_token_ids=prompts)
     small = LLM(ckpt, num_blocks=40, block_size=8, dtype="float32", speculative_method="ngram",
                 num_speculative_tokens=3, max_num_batched_tokens=32)
     got = small.generate(None, sp, prompt_token_ids=prompts)
     assert sum(o.metrics["num_preemptions"] for o in got) > 0
-    for a, b in zip(ref, got):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    ties: list[tuple] = []
+    for p, a, b in zip(prompts, ref, got):
+        assert_same_or_near_tie(roomy, p, b.outputs[0].token_ids, a.outputs[0].token_ids, ties)
         assert b.prompt_logprobs is not None and all(e is not None for e in b.prompt_logprobs[1:])
         # (approximately: fp32 matmuls on float weights round by row count, docs/quantization.md)
         assert [e["logprob"] for e in b.prompt_logprobs[1:]] == \
