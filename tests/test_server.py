@@ -58,6 +58,15 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(server, client, server_engine):
     plain = _complete(client, "Hello there", max_tokens=4, echo=True)
     assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
     assert plain.choices[0].text.startswith("Hello there") and plain.choices[0].logprobs is None
+    # max_tokens 0 with echo: the prompt scored, nothing generated (the older lm-eval and HELM recipe)
+    only = _complete(client, other, max_tokens=0, logprobs=1, echo=True)
+    (c,) = only.choices
+    assert c.text == tok.decode(other, skip_special_tokens=False) and c.finish_reason == "length"
+    assert c.logprobs.token_logprobs == r.choices[1].logprobs.token_logprobs[:-1]
+    assert only.usage.completion_tokens == 0 and only.usage.total_tokens == only.usage.prompt_tokens == len(other)
+    chunks = list(client.completions.create(model=MODEL, prompt=other, max_tokens=0, echo=True, stream=True,
+                                            temperature=0))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text and chunks[-1].choices[0].finish_reason == "length"
     v = _complete(client, other, max_tokens=1, extra_body={"prompt_logprobs": 2})
     pl = v.choices[0].model_extra["prompt_logprobs"]
     assert v.choices[0].text == r.choices[1].logprobs.tokens[-1] and pl[0] is None and len(pl) == len(other)

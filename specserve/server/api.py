@@ -278,14 +278,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         try:
             state.check_model(body.model)
-            params = body.sampling_params(body.max_tokens, body.logprobs)
+            prompt_only = bool(body.echo) and body.max_tokens == 0  # the prompt's logprobs, nothing generated
+            params = body.sampling_params(1 if prompt_only else body.max_tokens, body.logprobs)
             rid = f"cmpl-{uuid.uuid4().hex}"
             streams = await start(state, rid, body.prompts(), params, body.speculative is not False)
         except Exception as e:
             return as_api_error(e, completion_fields, body.constraint_param()).response()
         run = Run(state, rid, streams, params, body.include_usage)
         run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
-        run.echo, run.prompt_field = bool(body.echo), body.prompt_logprobs is not None
+        run.echo, run.prompt_field, run.prompt_only = bool(body.echo), body.prompt_logprobs is not None, prompt_only
         if body.stream:
             return sse_response(events(run, completion_chunks(run), "text_completion"))
         try:

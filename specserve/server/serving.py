@@ -110,9 +110,11 @@ class Run:
         self._hold = max((len(s) for s in params.stop or []), default=1) - 1  # see Delta
         self.spec_info: webui.SpecInfo | None = None  # stream_options.include_spec_info (server/webui.py)
         self.tool_plan: ToolPlan | None = None  # chat with tools (server/tools.py)
-        # completions: ``echo`` (the prompt before each choice's text) and vLLM's ``prompt_logprobs`` field
+        # completions: ``echo`` (the prompt before each choice's text) and vLLM's ``prompt_logprobs`` field;
+        # ``prompt_only``: ``echo`` with ``max_tokens`` 0 (the engine samples one token, which is not shown)
         self.echo = False
         self.prompt_field = False
+        self.prompt_only = False
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         async for i, out in merge_streams(self.streams):
@@ -153,7 +155,10 @@ class Run:
             s.abort()
 
     def usage(self) -> proto.Usage:
-        return proto.usage([o for o in self.final if o is not None])
+        u = proto.usage([o for o in self.final if o is not None])
+        if self.prompt_only:
+            u.completion_tokens, u.total_tokens = 0, u.prompt_tokens
+        return u
 
     def choices(self) -> list[tuple[int, CompletionOutput]]:
         """(choice index, completion) in OpenAI's order: prompt-major, then n."""
@@ -161,6 +166,8 @@ class Run:
         for i, o in enumerate(self.final):
             for j in range(self.params.n):
                 comp = o.outputs[j] if o is not None else CompletionOutput(j, "", [], "abort")
+                if self.prompt_only and comp.finish_reason != "abort":
+                    comp = CompletionOutput(j, "", [], "length", logprobs=[])
                 out.append((i * self.params.n + j, comp))
         return out
 
@@ -211,6 +218,12 @@ async def completion_chunks(run: Run) -> AsyncGenerator[dict[str, Any], None]:
                                     "logprobs": echo.logprobs() if want_lp and echo.text is not None else None,
                                     "finish_reason": None, "stop_reason": None,
                                     **({"prompt_logprobs": echo.field()} if echo.show_field else {})}]}
+            if run.prompt_only:  # the prompt was the whole answer
+                if comp.finished:
+                    yield {"id": run.id, "object": "text_completion", "created": run.created, "model": run.model,
+                           "choices": [{"index": idx, "text": "", "logprobs": None, "finish_reason": "length",
+                                        "stop_reason": None}]}
+                continue
             offset = (run.deltas[idx].sent if idx in run.deltas else 0) + echoed.get(idx, 0)
             step = run.advance(idx, comp)
             if step is None:
