@@ -89,6 +89,14 @@ def test_tokenizer_routes_as_vllm_and_lm_eval_use_them(server, server_engine):
     msgs = [{"role": "user", "content": "Say hi"}]
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": msgs}).json()
     assert chat["tokens"] == tok.apply_chat_template(msgs) and chat["token_strs"] is None
+    # vLLM's prompt_logprobs on chat: the rendered conversation's tokens, scored (in the body, not streamed)
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+                   json={"messages": msgs, "max_tokens": 1, "prompt_logprobs": 1}).json()
+    pl = r["prompt_logprobs"]
+    assert len(pl) == len(chat["tokens"]) == r["usage"]["prompt_tokens"] and pl[0] is None
+    assert all(str(t) in e and e[str(t)]["logprob"] <= 0 for t, e in zip(chat["tokens"][1:], pl[1:]))
+    plain = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={"messages": msgs, "max_tokens": 1})
+    assert plain.json()["prompt_logprobs"] is None
     info = httpx.get(f"{server.url}/tokenizer_info").json()
     assert info["eos_token"] and info["chat_template"] and info["model_max_length"] == server_engine.max_model_len
     assert httpx.post(f"{server.url}/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404

@@ -317,6 +317,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return as_api_error(e, chat_fields, body.constraint_param() or "tools").response()
         run = Run(state, rid, streams, params, body.include_usage)
         run.tool_plan = plan
+        run.prompt_field = body.prompt_logprobs is not None  # non-streamed responses carry them
         run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         if body.stream:
             return sse_response(events(run, chat_chunks(run), "chat.completion.chunk"))

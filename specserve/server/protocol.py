@@ -108,6 +108,7 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs (completions: per choice; chat: in the body)
 
     def constraint_param(self) -> str | None:
         """The request field a structured-output constraint came from (None when there is none or several)."""
@@ -154,7 +155,8 @@ class _SamplingRequest(_Strict):
         n = 1 if self.n is None else self.n
         if self.best_of is not None and self.best_of != n:
             raise ValueError(f"best_of must equal n ({n}) when given, got {self.best_of}")
-        kw: dict[str, Any] = {"n": n, "max_tokens": max_tokens, "logprobs": logprobs}
+        kw: dict[str, Any] = {"n": n, "max_tokens": max_tokens, "logprobs": logprobs,
+                              "prompt_logprobs": self.prompt_logprobs}
         if self.logit_bias:
             kw["logit_bias"] = _logit_bias(self.logit_bias)
         constraint, _ = self.constraint()
@@ -185,7 +187,6 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
     logprobs: int | None = None
     echo: bool | None = False
-    prompt_logprobs: int | None = None  # vLLM's: each choice's ``prompt_logprobs``
     suffix: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -380,6 +381,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM extension (request's own)
 
 
 class ModelCard(BaseModel):
@@ -568,9 +570,10 @@ def completion_response(rid: str, created: int, model: str, choices: list[tuple[
 
 def chat_response(rid: str, created: int, model: str, choices: list[tuple[int, CompletionOutput]],
                   usage: Usage, decode: Callable[[int], str] | None,
-                  tool_parse: Callable[[str], tuple[str | None, list[dict[str, Any]]]] | None = None
-                  ) -> dict[str, Any]:
-    """The non-streamed /v1/chat/completions body; ``tool_parse``: text -> (content, tool call dicts)."""
+                  tool_parse: Callable[[str], tuple[str | None, list[dict[str, Any]]]] | None = None,
+                  echo: Echo | None = None) -> dict[str, Any]:
+    """The non-streamed /v1/chat/completions body; ``tool_parse``: text -> (content, tool call dicts);
+    ``echo``: the rendered conversation's prompt logprobs (vLLM's ``prompt_logprobs``)."""
     out = []
     for i, c in choices:
         content, calls = tool_parse(c.text) if tool_parse is not None else (c.text, [])
@@ -578,4 +581,5 @@ def chat_response(rid: str, created: int, model: str, choices: list[tuple[int, C
         out.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
                               finish_reason=finish, stop_reason=c.stop_reason,
                               logprobs=chat_logprobs(decode, c.logprobs or []) if decode else None))
-    return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=usage).model_dump()
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=usage,
+                                  prompt_logprobs=echo.field() if echo is not None else None).model_dump()

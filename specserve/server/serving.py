@@ -323,4 +323,5 @@ def chat_response(run: Run) -> dict[str, Any]:
         def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             content, calls = plan.parse(text)
             return content, [c.as_dict() for c in calls]
-    return proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode, parse)
+    return proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode, parse,
+                               run.echo_of(run.final[0]) if run.final else None)
