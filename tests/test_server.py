@@ -107,6 +107,7 @@ def test_models_and_health(server, client):
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].owned_by == "specserve"
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json() == {"version": __import__("specserve").__version__}
 
 
 def test_completion_shape_and_usage(client, server_engine):

@@ -33,6 +33,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import specserve
 from specserve.config import EngineConfig
 from specserve.engine.async_engine import (
     AsyncEngine,
@@ -229,6 +230,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return APIError(503, "the server is shutting down", "server_error",
                             code="service_unavailable").response()
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": specserve.__version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:
