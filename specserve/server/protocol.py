@@ -446,13 +446,15 @@ def usage(outputs: list[RequestOutput]) -> Usage:
 
 def completion_logprobs(decode: Callable[[int], str], entries: list[dict[str, Any]],
                         offset: int) -> dict[str, Any]:
-    """Legacy completions format: parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+    """Legacy completions format: parallel lists (tokens, token_logprobs, top_logprobs, text_offset); an entry
+    whose ``top`` is None (a prompt's first token) has null alternatives."""
     tokens, chosen, tops, offsets = [], [], [], []
     for e in entries:
         s = decode(e["token_id"])
         tokens.append(s)
         chosen.append(e["logprob"])
-        tops.append({decode(i): lp for i, lp in e.get("top", [])})
+        top = e.get("top", [])
+        tops.append({decode(i): lp for i, lp in top} if top is not None else None)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
@@ -473,16 +475,9 @@ class Echo:
 
     def logprobs(self) -> dict[str, Any]:
         """The prompt tokens in the legacy format (their first token has no logprob and no alternatives)."""
-        tokens, chosen, tops, offsets, offset = [], [], [], [], 0
         scores = self.scores or [None] * len(self.token_ids)
-        for tok, e in zip(self.token_ids, scores):
-            s = self.decode(tok)
-            tokens.append(s)
-            chosen.append(e["logprob"] if e is not None else None)
-            tops.append({self.decode(i): lp for i, lp in e["top"]} if e is not None else None)
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+        return completion_logprobs(self.decode, [e if e is not None else {"token_id": t, "logprob": None, "top": None}
+                                                 for t, e in zip(self.token_ids, scores)], 0)
 
     def field(self) -> list[dict[str, dict[str, Any]] | None] | None:
         """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank, decoded_token}} for the token
