@@ -86,7 +86,9 @@ def main() -> None:
             theirs.append(n / s)
     result: dict[str, object] = {"threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
                                  "batch1_specserve_tok_s": round(statistics.median(ours), 2)}
-    print(f"batch-1 greedy decode, {args.max_tokens} tokens, median of {args.repeats}:")
+    from specserve.cpu_isa import cpu_class
+
+    print(f"CPU: {cpu_class()}; batch-1 greedy decode, {args.max_tokens} tokens, median of {args.repeats}:")
     print(f"  specserve            {statistics.median(ours):8.2f} tok/s")
     if theirs:
         result["batch1_hf_tok_s"] = round(statistics.median(theirs), 2)

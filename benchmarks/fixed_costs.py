@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     table = [float(x) for x in args.step_ms.split(",")]
 
     from specserve.bench import offline
+    from specserve.cpu_isa import cpu_class
     from specserve.datasets import load_dataset
     from specserve.llm import LLM
     from specserve.spec_decode.controller import FREE_SOURCES
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return r, totals["target"] + totals["draft"]
 
     off, off_s = run(False)
+    print(f"CPU: {cpu_class()} (the costs are the fixed table's)")
     print(f"{args.dataset}, {len(prompts)} prompts, batch {args.batch_size}, {args.max_tokens} tokens max; step ms {args.step_ms}, "
           f"draft ms {args.draft_ms}")
     print(f"off: {off.num_steps} steps, {off.output_tokens} tokens, modelled {off_s:.3f} s")

@@ -117,7 +117,7 @@ def main() -> int:
                 print(report.table(rows[-len(batches):], HEADERS), file=sys.stderr)
         del llm
         gc.collect()
-    print(f"\n{args.num_prompts} prompts, max_tokens {args.max_tokens}, "
+    print(f"\nCPU: {report.machine_info()['cpu_class']}; {args.num_prompts} prompts, max_tokens {args.max_tokens}, "
           f"median of {args.repeats}, greedy")
     print(report.table(rows, HEADERS))
     if args.out:

@@ -85,7 +85,7 @@ def main() -> int:
 
     sys.path.insert(0, ROOT)
     from specserve.model.loader import default_model_path
-    from specserve.platform import available_cores, cpu_has_native_bf16
+    from specserve.platform import available_cores, cpu_class, cpu_has_native_bf16
 
     thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [available_cores()]
     datasets = args.datasets.split(",")
@@ -104,7 +104,7 @@ def main() -> int:
                            "llama_cpp_version": peer["llama_cpp_version"]}
 
     print(f"\nmodel {args.model or default_model_path()}")
-    print(f"CPU: {'native bf16 (AVX512-BF16 / AMX)' if cpu_has_native_bf16() else 'no native bf16'}, "
+    print(f"CPU: {cpu_class()}, "
           f"{available_cores()} cores available")
     for t, i in info.items():
         print(f"threads {t}: specserve torch threads {i['specserve_threads']}, llama.cpp n_threads "

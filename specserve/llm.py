@@ -14,10 +14,20 @@ from specserve.sampling_params import SamplingParams
 
 
 class LLM:
+    """``close()`` (or a ``with`` block) releases the engine now: tensor-parallel workers, the process group,
+    the models and the KV cache. ``del llm`` releases the same once the object is garbage (the engine's
+    finalizer, which also runs at interpreter exit)."""
+
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = Engine(EngineConfig.from_kwargs(model, **engine_args))
-        self.engine.scheduler.closed_batches = True  # generate() adds all its requests before stepping
-        self.tokenizer = self.engine.tokenizer
+        self._engine: Engine | None = Engine(EngineConfig.from_kwargs(model, **engine_args))
+        self._engine.scheduler.closed_batches = True  # generate() adds all its requests before stepping
+        self.tokenizer = self._engine.tokenizer
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed: create a new one")
+        return self._engine
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -58,8 +68,10 @@ class LLM:
         return self.engine.get_metrics()
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes now (they also stop when this process exits)."""
-        self.engine.close()
+        """Release everything now (class docstring); idempotent. The LLM cannot generate afterwards."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -7,6 +7,7 @@ attention backend, graph capture, distributed backend) once.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform as platform_mod
 from collections.abc import Callable, Sequence
@@ -16,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from specserve.config import SpecserveError
+from specserve.cpu_isa import cpu_class
+from specserve.cpu_isa import cpu_has_amx as cpu_has_amx  # re-exported: platform answers CPU questions too
+from specserve.cpu_isa import onednn_amx_allowed as onednn_amx_allowed
 
 DEVICE_CHOICES = ("auto", "cuda", "rocm", "cpu")
 
@@ -89,6 +93,9 @@ class Platform:
             info["quant_layout"] = "tiled (AVX-512 VNNI)" if cpu_has_vnni() else "rows (AVX2)"
         if self.kind == "cpu":
             info["cpu_class"] = cpu_class()
+            if cpu_has_native_bf16():
+                info["bf16_rows"] = "bit-exact at any row count (probed)" if bf16_rows_invariant() else \
+                    "NOT row-invariant here (AMX kernels?): greedy speculation in bf16 follows the near-tie rule"
         if self.kind == "cuda":
             info["cuda_runtime"] = str(torch.version.cuda)
         if self.kind == "rocm":
@@ -116,13 +123,6 @@ def cpu_capability() -> str:
         return str(torch.backends.cpu.get_cpu_capability())
     except Exception:  # noqa: BLE001 - older torch
         return "DEFAULT"
-
-
-def cpu_class() -> str:
-    """What benchmarks print: "bf16 hardware (AVX512-BF16/AMX)" or "no bf16 hardware (<capability>)", and
-    ", VNNI" where the quantized-matmul kernels use their AVX-512 VNNI (tiled) layout."""
-    base = "bf16 hardware (AVX512-BF16/AMX)" if cpu_has_native_bf16() else f"no bf16 hardware ({cpu_capability()})"
-    return base + (", VNNI" if cpu_has_vnni() else "")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -172,6 +172,24 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     elif n % hi:
         outs.append(F.linear(x[n - n % hi:], weight, bias))
     return torch.cat(outs)
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_rows_invariant() -> bool:
+    """Whether bf16 ``row_invariant_linear`` gives every row the same bits at any row count on this machine,
+    probed once: two projection shapes at 1, 3, 255, 257 and 600 rows against the same rows computed two at
+    a time. True on the CPU classes where bf16 speculation is promised bit-exact (``cpu_has_native_bf16``
+    and oneDNN kept off AMX); where False the near-tie rule applies (docs/speculative_decoding.md)."""
+    if not cpu_has_native_bf16():
+        return False  # bf16 is emulated: oneDNN is not used for it
+    gen = torch.Generator().manual_seed(0)
+    for n_in, n_out in ((1536, 576), (576, 1536)):
+        w = (torch.randn(n_out, n_in, generator=gen) * 0.02).bfloat16()
+        x = torch.randn(600, n_in, generator=gen).bfloat16()
+        pairs = torch.cat([F.linear(x[i:i + 2], w) for i in range(0, 600, 2)])  # [600, n_out], each at 2 rows
+        if not all(torch.equal(row_invariant_linear(x[:m], w), pairs[:m]) for m in (1, 3, 255, 257, 600)):
+            return False
+    return True
 
 
 def detect(requested: str = "auto", rank: int | None = None) -> Platform:

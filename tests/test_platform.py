@@ -121,8 +121,9 @@ def test_no_vendor_only_imports():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 255, 256, 257, 513, 600])
 def test_row_invariant_linear(n):
-    """Same values as F.linear; with hardware bf16, each row bit-identical to that row computed at 2 rows
-    (the invariant count); a single row is padded, more than 256 are chunked."""
+    """Same values as F.linear; where this machine's probe finds bf16 rows invariant (every class with bf16
+    hardware and oneDNN off AMX, test below), each row bit-identical to that row computed at 2 rows (the
+    invariant count); a single row is padded, more than 256 are chunked."""
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(n, 1536, generator=gen).bfloat16()
     w = (torch.randn(576, 1536, generator=gen) * 0.02).bfloat16()
@@ -131,11 +132,81 @@ def test_row_invariant_linear(n):
     assert got.shape == (n, 576) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
                                atol=0.05, rtol=0.02)
-    if plat.cpu_has_native_bf16():
+    if plat.bf16_rows_invariant():
         for i in sorted({0, n // 2, n - 1}):
             pair = x[[i, i]] if n == 1 else x[i:i + 2] if i + 1 < n else x[i - 1:i + 1]
             alone = torch.nn.functional.linear(pair, w, b)[0 if i + 1 < n else 1]
             assert torch.equal(got[i], alone), i
+
+
+@pytest.mark.skipif(not plat.cpu_has_native_bf16() or plat.cpu_has_amx(),
+                    reason="the promise is checked on CPUs with bf16 hardware and no AMX (Zen 4 class)")
+def test_bf16_rows_invariant_where_promised():
+    """On AVX512-BF16 CPUs without AMX (oneDNN's AVX512-BF16 kernels) the probe must find every row count
+    invariant: README promises bit-exact bf16 speculation there. On AMX CPUs the probe's answer is printed by
+    `specserve env` and the bf16 speculation tests follow it (exact, or the near-tie rule)."""
+    assert plat.bf16_rows_invariant()
+
+
+def test_onednn_isa_pinned_on_amx_only(monkeypatch):
+    from specserve import cpu_isa
+
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", cpu_isa.AMX_ENV):
+        monkeypatch.setenv(var, "")  # recorded, so teardown restores what was there (pin writes os.environ)
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(cpu_isa, "cpu_has_amx", lambda: False)
+    cpu_isa.pin_onednn_isa()
+    assert "ONEDNN_MAX_CPU_ISA" not in plat.os.environ
+    monkeypatch.setattr(cpu_isa, "cpu_has_amx", lambda: True)
+    monkeypatch.setenv(cpu_isa.AMX_ENV, "1")  # the user keeps AMX (faster bf16 prefill, not bit-exact)
+    cpu_isa.pin_onednn_isa()
+    assert "ONEDNN_MAX_CPU_ISA" not in plat.os.environ and cpu_isa.onednn_amx_allowed()
+    monkeypatch.delenv(cpu_isa.AMX_ENV)
+    cpu_isa.pin_onednn_isa()
+    assert plat.os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16" and not cpu_isa.onednn_amx_allowed()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # a user's own setting is left alone
+    cpu_isa.pin_onednn_isa()
+    assert plat.os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_AMX" and cpu_isa.onednn_amx_allowed()
+
+
+@pytest.mark.skipif(not plat.cpu_has_native_bf16(), reason="oneDNN runs bf16 matmuls only with bf16 hardware")
+def test_onednn_honours_the_isa_cap():
+    """The cap pin_onednn_isa sets is read by the oneDNN inside this torch build: a fresh process capped at
+    AVX2 stops using oneDNN for bf16 matmuls, one capped at AVX512_CORE_BF16 runs its avx512_core_bf16
+    kernel (ONEDNN_VERBOSE names the kernel of every matmul it executes)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; x = torch.randn(64, 256).bfloat16(); w = torch.randn(128, 256).bfloat16(); "
+            "torch.nn.functional.linear(x, w)")
+
+    def kernels(cap: str) -> list[str]:
+        env = {**os.environ, "ONEDNN_VERBOSE": "1", "ONEDNN_MAX_CPU_ISA": cap}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        return [line for line in out.stdout.splitlines() if ",exec,cpu,matmul," in line]
+
+    capped = kernels("AVX512_CORE_BF16")
+    assert capped and all("amx" not in line and "avx512_core_bf16" in line for line in capped), capped
+    assert kernels("AVX2") == []
+
+
+def test_cpu_class_names_every_class(monkeypatch):
+    from specserve import cpu_isa
+
+    def flags(*names: str) -> None:
+        monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(("sse4_2", "avx", *names)))
+
+    flags("avx2")
+    assert plat.cpu_class() == "AVX2-only"
+    flags("avx2", "avx512f", "avx512_vnni", "avx512_bf16")
+    assert plat.cpu_class() == "AVX-512 VNNI, bf16"
+    flags("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert plat.cpu_class() == "AMX (AVX-512 VNNI, bf16, AMX); oneDNN kept off AMX"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+    assert plat.cpu_class() == "AMX (AVX-512 VNNI, bf16, AMX)"
+    assert plat.cpu_class() == cpu_isa.cpu_class()  # one definition, re-exported
 
 
 def test_row_invariant_linear_flattens_leading_dims():

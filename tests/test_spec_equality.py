@@ -29,7 +29,7 @@ from specserve.llm import LLM
 from specserve.model.attention import build_metadata
 from specserve.model.kernels import load_cpu_kernels
 from specserve.model.llama import LlamaModel
-from specserve.platform import cpu_has_native_bf16, detect
+from specserve.platform import bf16_rows_invariant, cpu_has_native_bf16, detect
 from specserve.sample.sampler import RequestSamplingState, process_logits
 from specserve.spec_decode.controller import SpecController
 from tests.helpers import tiny_hf_model, write_char_tokenizer
@@ -355,9 +355,21 @@ def test_greedy_equal_with_per_request_k(tiny, method):
     assert llm.get_metrics()["kv_free_blocks"] == 1024
 
 
-# -- bf16 on CPU: bit-exact, no near-tie allowance -------------------------------------------------------------
+# -- bf16 on CPU: bit-exact where this machine's rows are invariant, else GPUs' bf16 near-tie rule ----------
 needs_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(),
                                 reason="this CPU has no bf16 hardware: bf16 is emulated there and not batch-invariant")
+BF16_NEAR_TIE = 0.125  # as tests/test_gpu.py: bf16 logits move by this much when rows sum in another order
+
+
+def assert_bf16_same(label: str, ref: Run, out_ids: list[list[int]]) -> None:
+    """Bit-exact where ``bf16_rows_invariant()`` (the CPUs README promises it on; oneDNN kept off AMX): any
+    divergence is a bug. Elsewhere (AMX kernels in use) divergences only at a bf16 near-tie, at most 2."""
+    if bf16_rows_invariant():
+        diverged = [i for i, (r, o) in enumerate(zip(ref.token_ids, out_ids, strict=True)) if r != o]
+        assert not diverged, f"{label}: {len(diverged)} bf16 outputs differ, first: request {diverged[0]}"
+        return
+    ties = assert_same(label, PROMPTS, ref.token_ids, out_ids, ref.llm.engine.runner.model, near_tie=BF16_NEAR_TIE)
+    assert ties <= 2, f"{label}: {ties} near-ties"
 
 
 @needs_bf16
@@ -369,8 +381,7 @@ def test_bf16_cpu_greedy_bit_exact(tiny, method, k, bs):
     decoding token for token, at every k <= 7 and batch size: any divergence here is a bug, never numerics."""
     ref = run(tiny, "llama", bs, dtype="bfloat16")
     out = run(tiny, "llama", bs, method, k, dtype="bfloat16")
-    diverged = [i for i, (r, o) in enumerate(zip(ref.token_ids, out.token_ids, strict=True)) if r != o]
-    assert not diverged, f"{len(diverged)} bf16 outputs differ, first: request {diverged[0]}"
+    assert_bf16_same(f"bf16 {method} k={k} bs={bs}", ref, out.token_ids)
     assert_speculated(out.metrics)
 
 
@@ -382,8 +393,8 @@ def test_bf16_cpu_exact_under_preemption_and_chunked_prefill(tiny):
     pre = run(tiny, "llama", 8, "ngram", 3, num_blocks=PREEMPT_BLOCKS, dtype="bfloat16")
     assert pre.metrics["num_preemptions"] > 0
     chunked = run(tiny, "llama", 32, "layer_skip", 5, max_num_batched_tokens=64, dtype="bfloat16")
-    assert pre.token_ids == ref.token_ids
-    assert chunked.token_ids == ref.token_ids
+    assert_bf16_same("bf16 preemption", ref, pre.token_ids)
+    assert_bf16_same("bf16 chunked prefill", ref, chunked.token_ids)
 
 
 @needs_bf16
@@ -391,11 +402,11 @@ def test_bf16_cpu_batch_invariant_across_batch_sizes(tiny):
     """The same requests, one at a time vs 8 at once vs 8 at once with random per-request k: identical."""
     one = run(tiny, "llama", 1, dtype="bfloat16")
     eight = run(tiny, "llama", 8, dtype="bfloat16")
-    assert one.token_ids == eight.token_ids
+    assert_bf16_same("bf16 batch 1 vs 8", one, eight.token_ids)
     llm = LLM(tiny["llama"].target, **engine_args(8, "ngram", 4, tiny["llama"], dtype="bfloat16"))
     chaos = llm.engine.runner.drafter.controller = ChaosController(4, seed=2)
     outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
-    assert [o.outputs[0].token_ids for o in outs] == eight.token_ids
+    assert_bf16_same("bf16 chaos k", eight, [o.outputs[0].token_ids for o in outs])
     assert max(chaos.seen) >= 3
 
 

@@ -9,6 +9,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from specserve.cpu_isa import cpu_class
+
 
 # -- provenance ---------------------------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
@@ -18,6 +20,7 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        "cpu_class": cpu_class(),
     }
     if hasattr(os, "sched_getaffinity"):
         info["cpus_available"] = len(os.sched_getaffinity(0))
@@ -203,7 +206,7 @@ def serve_table(runs: dict[str, dict[str, Any]], markdown: bool = False) -> str:
 def _md_header(title: str, doc: dict[str, Any]) -> list[str]:
     m, v = doc["machine"], doc["versions"]
     return [f"# {title}", "", f"Command: `{' '.join(doc['command'])}`", "",
-            f"Machine: {m['platform']}, {m['cpu_count']} CPUs"
+            f"Machine: {m['platform']}, {m['cpu_count']} CPUs ({m.get('cpu_class', 'class not recorded')})"
             + (f", GPU {m['gpu']}" if m.get("gpu") else "")
             + f"; Python {m['python']}; " + ", ".join(f"{k} {val}" for k, val in v.items() if val), ""]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -21,9 +22,15 @@ from specserve.sample.grammar import GrammarCompiler
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from specserve.worker.model_runner import ModelRunner
-from specserve.worker.tensor_parallel import start_tensor_parallel
+from specserve.worker.tensor_parallel import WorkerGroup, start_tensor_parallel
 
 log = logging.getLogger("specserve")
+
+
+def _release(tp_group: WorkerGroup | None) -> None:
+    """The engine's finalizer: holds the worker group only (never the engine, or it would never run)."""
+    if tp_group is not None:
+        tp_group.close()
 
 
 @dataclass
@@ -68,6 +75,8 @@ class Engine:
         # Tensor parallel: the other ranks start here, before this process builds its own slices.
         self.tp_group = start_tensor_parallel(config, self.platform, target) \
             if config.parallel.tensor_parallel_size > 1 else None
+        # ``close()``, garbage collection of the engine and interpreter exit all release through this, once.
+        self._finalizer = weakref.finalize(self, _release, self.tp_group)
         try:
             self.runner = ModelRunner(config, self.platform, target, *(
                 (self.tp_group.comm, self.tp_group.msg_group) if self.tp_group is not None else ()))
@@ -75,7 +84,7 @@ class Engine:
             if self.tp_group is None:
                 raise
             better = self.tp_group.startup_error(e)  # a rank that died while loading, by name
-            self.tp_group.close(None)
+            self.tp_group.close(stop=False)
             if better is None:
                 raise
             raise better from e
@@ -163,9 +172,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def close(self) -> None:
-        """Release what outlives the object: the other tensor-parallel ranks (no-op without them)."""
-        if self.tp_group is not None:
-            self.tp_group.close(self.runner.mirror)
+        """Release what outlives the object now: the other tensor-parallel ranks, their monitor thread and the
+        process group (nothing without tensor parallel). Idempotent; the engine cannot step afterwards under
+        tensor parallel. Without a call, garbage collection and interpreter exit do the same."""
+        self._finalizer()
 
     def add_failure_listener(self, fn: Callable[[str], None]) -> None:
         """``fn(reason)``, from another thread, when a tensor-parallel rank is lost: the engine cannot step

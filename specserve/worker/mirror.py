@@ -113,10 +113,7 @@ class Mirror:
         return call
 
     def _send(self, msg: Any) -> None:
-        if isinstance(self.msg_group, ShmChannel):
-            self.msg_group.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-            return
-        dist.broadcast_object_list([msg], src=0, group=self.msg_group)
+        _send(self.msg_group, msg)
 
     def _recv(self) -> Any:
         if isinstance(self.msg_group, ShmChannel):
@@ -135,7 +132,20 @@ class Mirror:
 
     def stop(self) -> None:
         if self.comm is not None and self.leader:
-            self._send((_STOP, ()))
+            send_stop(self.msg_group)
+
+
+def _send(msg_group: Any, msg: Any) -> None:
+    if isinstance(msg_group, ShmChannel):
+        msg_group.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        return
+    dist.broadcast_object_list([msg], src=0, group=msg_group)
+
+
+def send_stop(msg_group: Any) -> None:
+    """Rank 0: end the other ranks' ``Mirror.follow`` (they then leave the process group and exit). Needs only
+    the message group, so ``WorkerGroup.close`` can run from a finalizer that holds no model."""
+    _send(msg_group, (_STOP, ()))
 
 
 def _to_host(x: Any) -> Any:

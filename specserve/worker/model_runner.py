@@ -26,7 +26,14 @@ from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear, quantizes
 from specserve.model.tensor_parallel import Comm, TensorParallel
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from specserve.platform import Platform, resolve_dtype, resolve_kv_dtype, to_device
+from specserve.platform import (
+    Platform,
+    bf16_rows_invariant,
+    cpu_class,
+    resolve_dtype,
+    resolve_kv_dtype,
+    to_device,
+)
 from specserve.sample.grammar import GrammarState
 from specserve.sample.rejection_sampler import accept_greedy, verify, verify_tree
 from specserve.sample.sampler import (
@@ -117,6 +124,9 @@ class ModelRunner:
         log.info("compute dtype: %s (%s on %s), KV cache %s", str(self.dtype).removeprefix("torch."),
                  "--dtype auto" if config.model.dtype == "auto" else "--dtype", platform.kind,
                  str(self.kv_dtype).removeprefix("torch."))
+        if platform.kind == "cpu" and self.dtype == torch.bfloat16 and not bf16_rows_invariant():
+            log.warning("bf16 matmul rows are not bit-identical at every row count on this CPU (%s): greedy "
+                        "speculation follows the near-tie rule here, not bit-exactness", cpu_class())
         self.arch = target.arch
         self.max_model_len = config.model.max_model_len or target.arch.max_position_embeddings
         self.block_size = config.cache.block_size

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import logging
 import os
 import pickle
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +45,7 @@ from specserve.config import EngineConfig, SpecserveError
 from specserve.model.loader import Checkpoint, load_checkpoint
 from specserve.model.tensor_parallel import check_tensor_parallel
 from specserve.platform import Platform, check_tensor_parallel_devices, configure_threads, detect
-from specserve.worker.mirror import Mirror, collectives, op_timeout, shm_files
+from specserve.worker.mirror import collectives, op_timeout, send_stop, shm_files
 from specserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("specserve")
@@ -71,6 +73,11 @@ def _describe_exit(code: int | None) -> str:
 
 def start_tensor_parallel(config: EngineConfig, platform: Platform, target: Checkpoint) -> WorkerGroup:
     """Check the split, then start ranks 1..N-1 and form the group (rank 0 is the calling process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise SpecserveError("a tensor-parallel engine is still open in this process (torch.distributed allows one "
+                             "default process group per process): close() it, or `del` it, before starting another")
     size = config.parallel.tensor_parallel_size
     check_tensor_parallel(target.arch, size, "the target")
     spec = config.speculative
@@ -90,7 +97,9 @@ class WorkerGroup:
         self.size = config.parallel.tensor_parallel_size
         self.backend = config.parallel.distributed_executor_backend
         self.failure: str | None = None
-        self._listeners: list[Callable[[str], None]] = []
+        # Bound methods are held weakly (a server's AsyncEngine listens): the group must not keep its engine
+        # alive, or the engine's finalizer (which closes this group) would never run.
+        self._listeners: list[Callable[[], Callable[[str], None] | None]] = []
         self._closing = False
         self._lock = threading.Lock()
         self.workers: _Executor = _RayExecutor() if self.backend == "ray" else _MpExecutor()
@@ -106,6 +115,8 @@ class WorkerGroup:
             self.comm, self.msg_group = collectives(0, self.size, dist_backend, files, self._raise_if_lost)
         except BaseException:
             self.workers.kill()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             raise
         finally:
             for path in files or ():  # every rank has mapped them by now: nothing is left behind on a crash
@@ -159,8 +170,10 @@ class WorkerGroup:
         return self.failure
 
     def add_failure_listener(self, fn: Callable[[str], None]) -> None:
+        ref: Callable[[], Callable[[str], None] | None] = \
+            weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)  # type: ignore[arg-type]
         with self._lock:
-            self._listeners.append(fn)
+            self._listeners.append(ref)
             failure = self.failure
         if failure is not None:
             fn(failure)
@@ -177,7 +190,7 @@ class WorkerGroup:
             if self.failure is not None:
                 return
             self.failure = reason
-            listeners = list(self._listeners)
+            listeners = [fn for fn in (ref() for ref in self._listeners) if fn is not None]
         log.error("%s; stopping the other ranks", reason)
         self.workers.kill()  # the survivors would wait for the dead rank in their next collective
         for fn in listeners:
@@ -186,20 +199,24 @@ class WorkerGroup:
             except Exception:
                 log.exception("failure listener failed")
 
-    def close(self, mirror: Mirror | None, timeout: float = 10.0) -> None:
-        """Stop the followers (they leave ``follow``), wait for them, kill what is left."""
+    def close(self, stop: bool = True, timeout: float = 10.0) -> None:
+        """Stop the followers (``stop``: send them the stop message; False while they may not be following
+        yet), wait for them, kill what is left, stop the monitor and leave the process group. Idempotent."""
         import torch.distributed as dist
 
-        if self._closing:
-            return
-        self._closing = True
-        if self.failure is None and mirror is not None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if stop and self.failure is None:
             try:
-                mirror.stop()
+                send_stop(self.msg_group)
             except Exception:
                 log.warning("tensor parallel: could not send stop to the workers", exc_info=True)
         self.workers.join(timeout)
         self.workers.kill()
+        if self._monitor is not threading.current_thread():
+            self._monitor.join(5)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
