@@ -83,16 +83,17 @@ def test_stream_content_holds_back_a_starting_tag():
     assert plan3.stream_content('  {"name"') == "" and plan3.stream_content("Sure, it is") == "Sure, it is"
 
 
-def _stream(plan, text: str, step: int = 3) -> tuple[str, dict, int]:
-    """The server's deltas for ``text`` released ``step`` characters at a time, then finished, reassembled
-    as a client does: (content, {index: [id, name, arguments]}, tool-call entries sent)."""
+def _stream(plan, text: str, step: int = 3, finish: str = "stop") -> tuple[str, dict, int]:
+    """The server's deltas for ``text`` released ``step`` characters at a time, then finished (``finish``),
+    reassembled as a client does: (content, {index: [id, name, arguments]}, tool-call entries sent)."""
     from types import SimpleNamespace
 
     from specserve.server.serving import _tool_deltas
 
     content, calls, entries, sent = "", {}, 0, {}
     for n in [*range(0, len(text), step), len(text)]:
-        comp = SimpleNamespace(index=0, text=text[:n] if n < len(text) else text, finished=n == len(text))
+        comp = SimpleNamespace(index=0, text=text[:n] if n < len(text) else text, finished=n == len(text),
+                               finish_reason=finish if n == len(text) else None)
         for d in _tool_deltas(plan, comp, n, sent)[0]:
             content += d.get("content", "")
             for t in d.get("tool_calls", []):
@@ -116,15 +117,15 @@ def _stream(plan, text: str, step: int = 3) -> tuple[str, dict, int]:
                            '"parameters": {"city": "Rome",  "unit": "c"}}]'),
 ])
 def test_streamed_tool_calls_add_up_to_the_parsed_ones(parser, choice, text):
-    """Streamed, a call's id and name come once its name is complete and its arguments follow in pieces as the
-    model writes them; the pieces add up to the non-streamed ``arguments`` (the model's own text of the
-    object), and the content before the calls streams as content."""
+    """Streamed, each call comes whole (id, name and the model's own text of the arguments object) once it is
+    complete, identical to the non-streamed ``arguments``, and the content before the calls streams as
+    content."""
     final_content, final_calls = make_plan([WEATHER, TIME], choice, None, parser).parse(text)
     plan = make_plan([WEATHER, TIME], choice, None, parser)
     content, calls, entries = _stream(plan, text)
     assert (content or None) == final_content
     assert [(name, args) for _, name, args in calls.values()] == [(c.name, c.arguments) for c in final_calls]
-    assert entries > 2 * len(final_calls)  # arguments in several pieces, not whole at the end
+    assert entries == len(final_calls)  # one entry per call, sent once it is complete
     assert all(json.loads(c.arguments) for c in final_calls)
     assert '"Pa\\"ris"' in final_calls[0].arguments or parser != "hermes" or choice != "auto"
 
@@ -141,7 +142,55 @@ def test_a_streamed_call_that_turns_out_malformed_ends_as_content():
     assert plan.parse(text) == (text, [])
     content, calls, _ = _stream(plan, text)
     assert content == text  # the text before the call, then the rest when the parse fails
-    assert [name for _, name, _ in calls.values()] == ["get_time"]  # what was streamed cannot be taken back
+    assert calls == {}  # the call never completed: nothing was announced
+
+
+_WEATHER_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+
+
+@pytest.mark.parametrize(("parser", "choice", "text", "content"), [
+    ("hermes", "required", f'[{_WEATHER_CALL}, {{"name": "get_weather", "parameters": {{"ci', None),
+    ("hermes", "required", f'[{_WEATHER_CALL}, {{"na', None),
+    ("hermes", "auto", 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+                       '</tool_call>\n<tool_call>{"name": "get_time", "argu', "Checking."),
+    ("llama3_json", "auto", f'{_WEATHER_CALL}; {{"name": "get_time", "parameters": {{"zo', None),
+    ("hermes", {"type": "function", "function": {"name": "get_weather"}}, '{"city": "Par', None),
+])
+def test_a_call_cut_by_max_tokens_is_dropped(parser, choice, text, content):
+    """Cut by max_tokens, the complete calls are the answer (none for a named choice cut inside its object)
+    and the cut call is dropped, never returned as content; streamed, the same calls."""
+    plan = make_plan([WEATHER, TIME], choice, None, parser)
+    final_content, calls = plan.parse(text, truncated=True)
+    want = [] if isinstance(choice, dict) else [("get_weather", {"city": "Paris", "unit": "c"})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want
+    assert final_content == content
+    streamed_content, streamed, _ = _stream(make_plan([WEATHER, TIME], choice, None, parser), text,
+                                            finish="length")
+    assert (streamed_content or None) == content
+    assert [(name, args) for _, name, args in streamed.values()] == [(c.name, c.arguments) for c in calls]
+
+
+def test_a_repeated_call_ends_the_output():
+    """An exact repeat of an earlier call (whitespace aside) ends the output after the call before it."""
+    plan = make_plan([WEATHER, TIME], "required", None, "hermes")
+    head = f'[{_WEATHER_CALL}, {{"name": "get_time", "parameters": {{"zone": "UTC"}}}}'
+    text = head + ', {"name": "get_weather", "parameters": {"city":"Paris","unit": "c"}}'
+    assert plan.repeat_cut(text) == len(head)
+    assert plan.repeat_cut(text[:-1]) is None  # not complete yet: it may still differ
+    assert plan.repeat_cut(head + ', {"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}') is None
+    assert [c.name for c in plan.parse(text[:len(head)])[1]] == ["get_weather", "get_time"]
+    hermes = make_plan([WEATHER, TIME], "auto", None, "hermes")
+    block = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    assert hermes.repeat_cut(f"Sure.{block}\n{block}") == len(f"Sure.{block}")
+    assert make_plan([WEATHER], "none", None, "hermes").repeat_cut(f"{block}{block}") is None
+
+
+def test_a_function_without_parameters_takes_none():
+    plan = make_plan([{"type": "function", "function": {"name": "now"}}],
+                     {"type": "function", "function": {"name": "now"}}, None, "hermes")
+    constraint = plan.constraint()
+    assert constraint is not None
+    assert constraint.json == {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def test_tool_choice_grammars():
@@ -219,8 +268,8 @@ def test_round_trip(client, stream):
     first = _chat(c, stream, messages=messages, tools=[WEATHER, TIME],
                   tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80)
     assert first["finish_reason"] == "tool_calls" and first["content"] is None
-    if stream:  # a named choice streams its arguments in pieces
-        assert first["pieces"] > 1
+    if stream:  # the call comes whole, once complete
+        assert first["pieces"] == 1
     (call,) = first["tool_calls"]
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     _tool_args(call)
@@ -246,8 +295,8 @@ def test_auto_parses_the_models_call(client, stream):
     assert res["finish_reason"] == "tool_calls"
     assert [(t.function.name, _tool_args(t)) for t in res["tool_calls"]] == [("get_time", {"zone": "UTC"})]
     assert res["content"] == ("OK." if parser == "hermes" else None)
-    if stream:  # the call's arguments in pieces as the model writes them
-        assert res["pieces"] > 1
+    if stream:  # the call whole, once complete
+        assert res["pieces"] == 1
 
 
 def test_required_single_call(client):

@@ -150,7 +150,7 @@ class _GuardMiddleware:
 
 # -- app -----------------------------------------------------------------------------------------------------
 def default_served_name(engine: Engine) -> str:
-    path = engine.config.model.model
+    path = engine.config.model.model_id or engine.config.model.model  # a hub id as the user typed it
     if path:
         return path
     from specserve.model.loader import DEMO_FILE
@@ -322,6 +322,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return as_api_error(e, chat_fields, body.constraint_param() or "tools").response()
         run = Run(state, rid, streams, params, body.include_usage)
         run.tool_plan = plan
+        if plan.active and plan.mode in ("auto", "required"):
+            run.cut = plan.repeat_cut
         run.prompt_field = body.prompt_logprobs is not None  # non-streamed responses carry them
         run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         if body.stream:

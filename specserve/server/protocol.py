@@ -565,13 +565,14 @@ def completion_response(rid: str, created: int, model: str, choices: list[tuple[
 
 def chat_response(rid: str, created: int, model: str, choices: list[tuple[int, CompletionOutput]],
                   usage: Usage, decode: Callable[[int], str] | None,
-                  tool_parse: Callable[[str], tuple[str | None, list[dict[str, Any]]]] | None = None,
+                  tool_parse: Callable[[str, bool], tuple[str | None, list[dict[str, Any]]]] | None = None,
                   echo: Echo | None = None) -> dict[str, Any]:
-    """The non-streamed /v1/chat/completions body; ``tool_parse``: text -> (content, tool call dicts);
+    """The non-streamed /v1/chat/completions body; ``tool_parse``: (text, cut by max_tokens) -> (content, tool
+    call dicts);
     ``echo``: the rendered conversation's prompt logprobs (vLLM's ``prompt_logprobs``)."""
     out = []
     for i, c in choices:
-        content, calls = tool_parse(c.text) if tool_parse is not None else (c.text, [])
+        content, calls = tool_parse(c.text, c.finish_reason == "length") if tool_parse is not None else (c.text, [])
         finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
         out.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
                               finish_reason=finish, stop_reason=c.stop_reason,

@@ -8,11 +8,12 @@ chat shapes (streamed or not). Disconnects abort at once: ``_SSEResponse`` cance
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, cast
 
 import anyio
 from fastapi import Request
@@ -110,6 +111,10 @@ class Run:
         self._hold = max((len(s) for s in params.stop or []), default=1) - 1  # see Delta
         self.spec_info: webui.SpecInfo | None = None  # stream_options.include_spec_info (server/webui.py)
         self.tool_plan: ToolPlan | None = None  # chat with tools (server/tools.py)
+        # Where to end a choice's text early (None: not yet), e.g. before a repeated tool call; such a
+        # choice finishes with "stop" there, and the engine request is aborted once every choice has ended.
+        self.cut: Callable[[str], int | None] | None = None
+        self._cuts: dict[tuple[int, int], CompletionOutput] = {}
         # completions: ``echo`` (the prompt before each choice's text) and vLLM's ``prompt_logprobs`` field;
         # ``prompt_only``: ``echo`` with ``max_tokens`` 0 (the engine samples one token, which is not shown)
         self.echo = False
@@ -117,12 +122,34 @@ class Run:
         self.prompt_only = False
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        async for i, out in merge_streams(self.streams):
-            self.final[i] = out
-            total = sum(len(c.token_ids) for o in self.final if o is not None for c in o.outputs)
-            self.timer.on_tokens(total - self._num_tokens)
-            self._num_tokens = total
-            yield i, out
+        merged = cast(AsyncGenerator[tuple[int, RequestOutput], None], merge_streams(self.streams))
+        async with contextlib.aclosing(merged):
+            async for i, out in merged:
+                if self.cut is not None:
+                    out = self._cut(i, out)
+                self.final[i] = out
+                total = sum(len(c.token_ids) for o in self.final if o is not None for c in o.outputs)
+                self.timer.on_tokens(total - self._num_tokens)
+                self._num_tokens = total
+                yield i, out
+                if out.finished and not self.streams[i].finished:  # every choice was cut: stop computing
+                    self.streams[i].abort()
+                    if all(s.finished for s in self.streams):
+                        return
+
+    def _cut(self, i: int, out: RequestOutput) -> RequestOutput:
+        """``out`` with its choices ended where ``self.cut`` says (kept ended in later outputs)."""
+        assert self.cut is not None
+        comps = []
+        for comp in out.outputs:
+            done = self._cuts.get((i, comp.index))
+            if done is None and not comp.finished and (at := self.cut(comp.text)) is not None:
+                done = self._cuts[(i, comp.index)] = dataclasses.replace(
+                    comp, text=comp.text[:at], finish_reason="stop", stop_reason=None)
+            comps.append(done if done is not None else comp)
+        if not self._cuts:
+            return out
+        return dataclasses.replace(out, outputs=comps, finished=all(c.finished for c in comps))
 
     def advance(self, index: int, comp: CompletionOutput) -> tuple[str, int, int] | None:
         """The choice's new text and token range, or None when there is nothing worth a chunk."""
@@ -276,21 +303,10 @@ async def chat_chunks(run: Run) -> AsyncGenerator[dict[str, Any], None]:
 
 def _tool_deltas(plan: ToolPlan, comp: CompletionOutput, released: int, sent: dict[int, int]
                  ) -> tuple[list[dict[str, Any]], int]:
-    """Deltas for a choice of a request with tools, and its number of tool calls so far. A named tool choice
-    streams the call's arguments as they come (the output is them); otherwise content that cannot be a
-    tool call yet (``sent``: characters streamed per choice), each call's id and name and then pieces of its
-    arguments as they come (``ToolPlan.stream_calls``), and at the end the rest of both."""
+    """Deltas for a choice of a request with tools, and its number of tool calls so far: content that cannot be
+    a tool call (``sent``: characters streamed per choice) as it comes, each call whole once it is complete
+    (``ToolPlan.stream_calls``), and at the end the rest of both (a call cut by ``max_tokens`` is dropped)."""
     done = sent.get(comp.index, 0)
-    if plan.mode == "named":  # the output is the call's arguments: stream them as they come
-        text = comp.text if comp.finished else comp.text[:released]
-        sent[comp.index] = max(done, len(text))
-        if len(text) <= done:
-            return [], int(done > 0)
-        piece: dict[str, Any] = {"index": 0, "function": {"arguments": text[done:]}}
-        if not done:
-            piece = {"index": 0, "id": plan.call_id(comp.index), "type": "function",
-                     "function": {"name": plan.named, "arguments": text}}
-        return [{"tool_calls": [piece]}], 1
     out: list[dict[str, Any]] = []
     if not comp.finished:
         text = comp.text[:released]
@@ -301,7 +317,7 @@ def _tool_deltas(plan: ToolPlan, comp: CompletionOutput, released: int, sent: di
         if pieces := plan.stream_calls(comp.index, text):
             out.append({"tool_calls": pieces})
         return out, plan.num_streamed(comp.index)
-    final, calls = plan.parse(comp.text)
+    final, calls = plan.parse(comp.text, comp.finish_reason == "length")
     if final and len(final) > done and final.startswith(comp.text[:done]):
         out.append({"content": final[done:]})
     if calls and (pieces := plan.finish_calls(comp.index, calls)):
@@ -320,8 +336,8 @@ def chat_response(run: Run) -> dict[str, Any]:
     plan = run.tool_plan
     parse = None
     if plan is not None and plan.active:
-        def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-            content, calls = plan.parse(text)
+        def parse(text: str, truncated: bool) -> tuple[str | None, list[dict[str, Any]]]:
+            content, calls = plan.parse(text, truncated)
             return content, [c.as_dict() for c in calls]
     return proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode, parse,
                                run.echo_of(run.final[0]) if run.final else None)

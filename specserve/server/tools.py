@@ -9,170 +9,45 @@ enforced by a grammar, the model's text parsed into ``message.tool_calls``.
   ``{"name": ..., "parameters": {...}}`` objects, ``;``-separated, after an optional ``<|python_tag|>``);
   ``auto`` picks one from the template.
 - ``required``: a JSON-schema grammar forces a JSON array of one or more ``{"name", "parameters"}`` calls (one
-  when ``parallel_tool_calls`` is false), each ``parameters`` valid under its function's schema.
+  when ``parallel_tool_calls`` is false), each ``parameters`` valid under its function's schema (a function
+  without ``parameters`` takes none: ``{}``). An output that repeats an earlier call exactly is ended before
+  the repeat (``ToolPlan.repeat_cut``), so the array ends when the model has nothing new to call.
 - a named function: the grammar forces that function's arguments object.
 
-A parsed output ends with ``finish_reason: "tool_calls"``. Streamed, as OpenAI streams them: the text before
-the calls as content deltas; each call's id and name (with empty arguments) once its name is complete; then
-its arguments in pieces as the model writes them (``scan_calls``). The pieces of a call add up to its
-``arguments`` string, which is the arguments object's text as the model wrote it, in both modes. A call the
-final parse does not accept (malformed JSON) cannot be taken back: its streamed pieces stay, and the rest of
-the output follows as content.
+A parsed output ends with ``finish_reason: "tool_calls"``. Cut by ``max_tokens`` (``"length"``), the calls
+that are complete are returned and the cut one is dropped; the call syntax never becomes content. Streamed:
+the text before the calls as content deltas, and each call whole (id, name, arguments) once it is complete,
+so that streamed and non-streamed answers carry the same calls (a piece of a call that ``max_tokens`` then
+cuts could not be taken back). The ``arguments`` string is the arguments object's text as the model wrote it.
+A call the final parse does not accept (text after it that is not JSON) cannot be taken back: it stays, and
+the rest of the output follows as content.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.sampling_params import StructuredOutputsParams
 from specserve.server.errors import APIError
+from specserve.server.tool_parsers import (
+    _HERMES_OPEN,
+    _PYTHON_TAG,
+    PARSERS,
+    PartialCall,
+    ToolCall,
+    _call_from,
+    _new_call,
+    _skip_ws,
+    detect_parser,
+    parse_hermes,
+    parse_llama3_json,
+    scan_call,
+)
 
-PARSERS = ("auto", "hermes", "llama3_json")
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_PYTHON_TAG = "<|python_tag|>"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as text (OpenAI's shape)
-
-    def as_dict(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            out["index"] = index
-        return out
-
-
-def _new_call(name: str, arguments: Any, raw: str | None = None) -> ToolCall:
-    """``raw``: the arguments object's text as the model wrote it (kept as is, so a stream's pieces, which
-    are that text, add up to it)."""
-    if isinstance(arguments, dict) and raw is not None:
-        args = raw
-    else:
-        args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, args)
-
-
-def _call_from(text: str, start: int) -> ToolCall:
-    """The call object at ``text[start:]`` (a complete JSON object with a string "name"); ValueError,
-    TypeError or KeyError otherwise."""
-    obj = json.JSONDecoder().raw_decode(text, start)[0]
-    if not isinstance(obj, dict) or not isinstance(obj["name"], str):
-        raise TypeError("not a call object")
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    scan = scan_call(text, start)  # stops at the object's closing brace
-    raw = text[scan.args_start:scan.args_end] if scan.args_start is not None and scan.args_complete else None
-    return _new_call(obj["name"], arguments, raw)
-
-
-# -- streaming: calls scanned as far as the output goes --------------------------------------------------------
-@dataclass
-class PartialCall:
-    """A call object as far as the text goes (offsets into that text)."""
-
-    name: str | None = None  # once its string is complete
-    args_start: int | None = None  # where the arguments value starts ("arguments" or "parameters")
-    args_end: int = 0  # how far the arguments value goes (its end once complete)
-    args_complete: bool = False
-    end: int | None = None  # after the object's closing brace, once complete
-
-
-def _skip_ws(text: str, i: int, extra: str = "") -> int:
-    while i < len(text) and (text[i].isspace() or text[i] in extra):
-        i += 1
-    return i
-
-
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a complete JSON string
-_STRUCTURE = re.compile(r'[{}\[\]"]')
-_SCALAR = re.compile(r'[^,}\]\s]*')
-
-
-def _string_end(text: str, i: int) -> int | None:
-    """After the JSON string starting at ``text[i]`` (a quote); None where it does not end in ``text``."""
-    m = _STRING.match(text, i)
-    return m.end() if m else None
-
-
-def _value_end(text: str, i: int) -> tuple[int, bool]:
-    """(how far, complete) for the JSON value starting at ``text[i]``. The server re-scans a streamed output at
-    every step: 2,200 characters of arguments take ~0.16 ms (~0.19 ms character by character)."""
-    if text[i] == '"':
-        end = _string_end(text, i)
-        return (end, True) if end is not None else (len(text), False)
-    if text[i] in "{[":
-        depth, j = 0, i
-        while (m := _STRUCTURE.search(text, j)) is not None:
-            k = m.start()
-            if text[k] == '"':
-                end = _string_end(text, k)
-                if end is None:
-                    return len(text), False
-                j = end
-                continue
-            depth += 1 if text[k] in "{[" else -1
-            if depth == 0:
-                return k + 1, True
-            j = k + 1
-        return len(text), False
-    end = _SCALAR.match(text, i).end()  # type: ignore[union-attr]  # matches the empty string at worst
-    return end, end < len(text)
-
-
-def scan_call(text: str, start: int) -> PartialCall:
-    """The call object whose ``{`` is ``text[start]``, as far as ``text`` goes: its name once complete, the
-    extent of its arguments value, its end. Stops quietly at anything that is not JSON (the final parse
-    decides about it)."""
-    call = PartialCall()
-    j = _skip_ws(text, start + 1)
-    while j < len(text):
-        if text[j] == "}":
-            call.end = j + 1
-            return call
-        if text[j] != '"':
-            return call
-        key_end = _string_end(text, j)
-        if key_end is None:
-            return call
-        try:
-            key = json.loads(text[j:key_end])
-        except ValueError:
-            return call
-        j = _skip_ws(text, key_end)
-        if j >= len(text) or text[j] != ":":
-            return call
-        j = _skip_ws(text, j + 1)
-        if j >= len(text):
-            return call
-        end, complete = _value_end(text, j)
-        if key == "name" and text[j] == '"' and complete:
-            with contextlib.suppress(ValueError):
-                name = json.loads(text[j:end])
-                call.name = name if isinstance(name, str) else None
-        elif key in ("arguments", "parameters") and call.args_start is None and text[j] == "{":
-            call.args_start, call.args_end, call.args_complete = j, end, complete
-        if not complete:
-            return call
-        j = _skip_ws(text, end, ",")
-    return call
-
-
-def detect_parser(chat_template: str | None) -> str:
-    """The parser a chat template's tool-call format needs (hermes when it does not say)."""
-    template = chat_template or ""
-    if _HERMES_OPEN in template:
-        return "hermes"
-    if _PYTHON_TAG in template or "ipython" in template:
-        return "llama3_json"
-    return "hermes"
+__all__ = ["PARSERS", "ToolCall", "ToolPlan", "detect_parser", "make_plan", "parse_hermes", "parse_llama3_json",
+           "tool_plan", "with_tools"]
 
 
 @dataclass
@@ -184,13 +59,8 @@ class ToolPlan:
     parser: str = "hermes"
     named: str | None = None
     parallel: bool = True
-    _ids: dict[int, str] = field(default_factory=dict)
     # per choice, the calls streamed so far: [id, the arguments text sent]
     _streamed: dict[int, list[list[str]]] = field(default_factory=dict)
-
-    def call_id(self, choice: int) -> str:
-        """The id of a named choice's call in choice ``choice`` (the same in every chunk)."""
-        return self._ids.setdefault(choice, f"call_{uuid.uuid4().hex[:24]}")
 
     @property
     def active(self) -> bool:
@@ -218,29 +88,58 @@ class ToolPlan:
     def _parameters(self, name: str) -> dict[str, Any]:
         fn = next(t["function"] for t in self.tools if t["function"]["name"] == name)
         params = fn.get("parameters")
-        return params if isinstance(params, dict) and params else {"type": "object"}
+        if params is None:  # OpenAI: a function without parameters takes no arguments
+            return {"type": "object", "properties": {}, "additionalProperties": False}
+        return params if params else {"type": "object"}
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(message content, tool calls) of a finished output; no calls -> the text is the content."""
+    def parse(self, text: str, truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(message content, tool calls) of an output; no calls -> the text is the content. ``truncated``: the
+        output was cut (``max_tokens``; also an output still running): the calls that are complete, never the
+        cut one, and never the call syntax as content."""
         if not self.active:
             return text, []
-        if self.mode == "named":
-            return None, [_new_call(self.named or "", text.strip())]
-        if self.mode == "required":
-            try:
-                items = json.loads(text)
-                if not isinstance(items, list):
-                    raise TypeError("not a list of calls")
-                decoder, calls, j = json.JSONDecoder(), [], _skip_ws(text, text.index("[") + 1)
-                while j < len(text) and text[j] == "{":
-                    calls.append(_call_from(text, j))
-                    j = _skip_ws(text, decoder.raw_decode(text, j)[1], ",")
-                if len(calls) != len(items):
-                    raise ValueError("an item is not a call object")
-                return None, calls
-            except (ValueError, TypeError, KeyError):  # cut by max_tokens: the text stays content
+        if self.mode == "named":  # the output is the arguments object
+            args = text.strip()
+            if truncated and not _is_json(args):
+                return None, []
+            return None, [_new_call(self.named or "", args)]
+        if self.mode == "required":  # [{"name": ..., "parameters": {...}}, ...]: the complete items
+            if not text.lstrip().startswith("["):
                 return text, []
-        return parse_hermes(text) if self.parser == "hermes" else parse_llama3_json(text)
+            calls: list[ToolCall] = []
+            for call in self.scan_calls(text):
+                if call.end is None:
+                    break
+                try:
+                    calls.append(_call_from(text, call.start))
+                except (ValueError, TypeError, KeyError):
+                    break
+            return None, calls
+        if self.parser == "hermes":
+            return parse_hermes(text, truncated)
+        return parse_llama3_json(text, truncated)
+
+    def repeat_cut(self, text: str) -> int | None:
+        """Where to end an ``auto`` or ``required`` output whose latest complete call repeats an earlier one
+        exactly (same name, same arguments): after the call before it. A model that has nothing new to call
+        tends to write the same call again until ``max_tokens``; a grammar cannot forbid a repeat (it would
+        depend on the output), so the server ends the output there instead."""
+        if self.mode not in ("auto", "required") or not self.active:
+            return None
+        seen: set[tuple[str, str]] = set()
+        complete = [c for c in self.scan_calls(text) if c.end is not None and c.name is not None]
+        for k, call in enumerate(complete):
+            args = text[call.args_start:call.args_end] if call.args_start is not None else "{}"
+            try:
+                key = (call.name or "", json.dumps(json.loads(args), sort_keys=True))
+            except ValueError:
+                return None
+            if key in seen:
+                if self.mode == "required" or self.parser != "hermes":
+                    return complete[k - 1].end
+                return len(text[:text.rfind(_HERMES_OPEN, 0, call.start)].rstrip())
+            seen.add(key)
+        return None
 
     def stream_content(self, text: str) -> str:
         """The part of the output so far that is certainly message content (streamed as it comes); the rest
@@ -297,22 +196,15 @@ class ToolPlan:
         return calls
 
     def stream_calls(self, choice: int, text: str) -> list[dict[str, Any]]:
-        """``delta.tool_calls`` entries for choice ``choice`` with output ``text`` so far: a call's id and name
-        (with what there is of its arguments) once its name is complete, then each new piece of its
-        arguments."""
+        """``delta.tool_calls`` entries for choice ``choice`` with output ``text`` so far: each call whole (id,
+        name and arguments) once it is complete. NOTE: not in pieces: a call cut by ``max_tokens`` is dropped
+        (``parse(truncated=True)``), and a streamed piece could not be taken back."""
         state = self._streamed.setdefault(choice, [])
+        calls = self.parse(text, truncated=True)[1]
         pieces: list[dict[str, Any]] = []
-        for k, call in enumerate(self.scan_calls(text)):
-            if call.name is None:
-                break
-            args = text[call.args_start:call.args_end] if call.args_start is not None else ""
-            if k == len(state):
-                state.append([f"call_{uuid.uuid4().hex[:24]}", args])
-                pieces.append({"index": k, "id": state[k][0], "type": "function",
-                               "function": {"name": call.name, "arguments": args}})
-            elif len(args) > len(state[k][1]):
-                pieces.append({"index": k, "function": {"arguments": args[len(state[k][1]):]}})
-                state[k][1] = args
+        for k in range(len(state), len(calls)):
+            state.append([calls[k].id, calls[k].arguments])
+            pieces.append(calls[k].as_dict(k))
         return pieces
 
     def finish_calls(self, choice: int, calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -331,38 +223,12 @@ class ToolPlan:
         return len(self._streamed.get(choice, []))
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    start = text.find(_HERMES_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[start:], flags=re.DOTALL):
-        block = block.strip()
-        try:
-            if json.JSONDecoder().raw_decode(block)[1] != len(block):
-                raise ValueError("text after the call object")
-            calls.append(_call_from(block, 0))
-        except (ValueError, TypeError, KeyError):
-            return text, []  # not a well-formed call: the whole text is the answer
-    content = text[:start].strip()
-    return content or None, calls
-
-
-def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    body = text.strip().removeprefix(_PYTHON_TAG).strip()
-    if not body.startswith("{"):
-        return text, []
-    decoder, calls, at = json.JSONDecoder(), [], 0
-    while at < len(body):
-        try:
-            end = decoder.raw_decode(body, at)[1]
-            calls.append(_call_from(body, at))
-        except (ValueError, TypeError, KeyError):
-            return text, []
-        at = end
-        while at < len(body) and body[at] in " \t\r\n;":
-            at += 1
-    return None, calls
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def make_plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None, parser: str
