@@ -9,6 +9,7 @@ Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -20,7 +21,9 @@ import numpy as np
 import torch
 
 from specserve.config import CheckpointError
-from specserve.model.quant import GROUP, QuantizedTensor, quantize
+from specserve.model.quant import GROUP, QuantizedTensor, TwoLevel, quantize
+
+log = logging.getLogger("specserve")
 
 
 class GGUFArray(NamedTuple):
@@ -146,6 +149,65 @@ def _quantized(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[i
     return QuantizedTensor(4, codes, d, mins)
 
 
+# Block formats kept with their own numbers through another layout (quant.py's QuantizedTensor, TwoLevel), and
+# their bytes per block. Q5_0 = f16 d + 32 high bits + 16 bytes of low nibbles (w = d * (q - 16)): 8-bit
+# codes. K-quants (256 weights a super-block): Q4_K = f16 d, f16 dmin, 12 bytes of 6-bit scales and mins (8
+# each), 128 bytes of nibbles (w = d sc_j q - dmin m_j per group j of 32); Q6_K = 128 bytes of low nibbles,
+# 64 of high 2-bit pairs, 16 int8 scales (one per 16 weights), f16 d (w = d sc_j (q - 32)).
+_KQ = gguf.GGMLQuantizationType
+_OWN_LAYOUT = {_KQ.Q5_0: 22, _KQ.Q4_K: 144, _KQ.Q6_K: 210}
+_QK = 256
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 -> [...] float32 from the fp16 they hold."""
+    return b.contiguous().view(torch.float16)[..., 0].float()
+
+
+def _q5_0(blocks: torch.Tensor, n: int, k: int) -> QuantizedTensor:
+    d = _half(blocks[..., :2])  # [N, G]
+    qh = blocks[..., 2:6].contiguous().view(torch.int32)  # [N, G, 1]: bit i = code i's fifth bit
+    bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [N, G, 32]
+    qs = blocks[..., 6:]
+    low = torch.cat([qs & 0xF, qs >> 4], dim=-1).to(torch.int32)
+    codes = (low | (bits << 4)) - 16
+    return QuantizedTensor(8, codes.to(torch.int8).reshape(n, k), d, None)
+
+
+def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedTensor:
+    d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])  # [N, S]
+    sc12 = blocks[..., 4:16].to(torch.int32).view(n, -1, 3, 4)
+    a, b, c = sc12[..., 0, :], sc12[..., 1, :], sc12[..., 2, :]  # the 6-bit packing of get_scale_min
+    sc = torch.cat([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], dim=-1)  # [N, S, 8]
+    mn = torch.cat([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], dim=-1)
+    qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # chunk j: group 2j in low nibbles, 2j + 1 in high
+    codes = torch.stack([qs & 0xF, qs >> 4], dim=3).reshape(n, k)
+    sub, min_sub = sc.reshape(n, -1).to(torch.int8), mn.reshape(n, -1).to(torch.int8)  # [N, G]
+    min_sup = -dmin
+    scales = (d[..., None] * sc.float()).reshape(n, -1)
+    mins = (min_sup[..., None] * mn.float()).reshape(n, -1)
+    return QuantizedTensor(4, codes, scales, mins, TwoLevel(sub, d, min_sub, min_sup, 1))
+
+
+def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedTensor:
+    ql = blocks[..., :128].reshape(n, -1, 2, 1, 64)
+    low = torch.cat([ql & 0xF, ql >> 4], dim=3).reshape(n, -1, 8, 32)
+    qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
+    high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)) & 3).reshape(n, -1, 8, 32)
+    codes = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, k)
+    sub = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)  # [N, K / 16]
+    d = _half(blocks[..., 208:210])  # [N, S]
+    scales = (d[..., None] * sub.view(n, -1, 16).float()).reshape(n, -1)
+    return QuantizedTensor(8, codes, scales, None, TwoLevel(sub, d, None, None, 2))
+
+
+def _own_layout(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> QuantizedTensor:
+    n, k = shape
+    per = GROUP if qtype == _KQ.Q5_0 else _QK
+    blocks = torch.from_numpy(raw).view(n, k // per, _OWN_LAYOUT[qtype])
+    return {_KQ.Q5_0: _q5_0, _KQ.Q4_K: _q4_k, _KQ.Q6_K: _q6_k}[qtype](blocks, n, k)
+
+
 def read_gguf_tensor(f: Any, info: TensorInfo, file: str, keep_quantized: bool = False
                      ) -> torch.Tensor | QuantizedTensor:
     """One tensor in its torch shape (GGUF dims reversed). Q4_0 / Q4_1 / Q8_0 matrices come back as a
@@ -173,6 +235,8 @@ def _decode(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int,
     q = gguf.GGMLQuantizationType
     if keep_quantized and qtype in _KEPT and len(shape) == 2:
         return _quantized(raw, qtype, shape)
+    if keep_quantized and qtype in _OWN_LAYOUT and len(shape) == 2:
+        return _own_layout(raw, qtype, shape)
     if qtype == q.F32:
         return torch.from_numpy(raw.view(np.float32).reshape(shape))
     if qtype == q.F16:
@@ -185,7 +249,15 @@ def _decode(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int,
         raise CheckpointError(f"{file}: tensor {name} has unsupported type {qtype.name}") from e
     t = torch.from_numpy(data.astype(np.float32, copy=False).reshape(shape))
     if keep_quantized and len(shape) == 2 and shape[1] % GROUP == 0:
-        # Other block formats (Q5_0, Q4_K, Q6_K, ...) stay quantized as group-32 int8: a grid at least 8x finer
-        # than the file's, so the weights are the file's to within a small fraction of its own rounding.
+        # Other block formats (Q5_1, Q5_K, ...) are requantized to group-32 int8, said once per format: a grid
+        # at least 8x finer than the file's, but not the file's own numbers (--quantization none keeps them).
+        if qtype not in _REQUANTIZED:
+            _REQUANTIZED.add(qtype)
+            log.warning("%s: tensor %s is %s, which is not kept in its blocks: requantized to int8 in groups of 32 "
+                        "(so are the file's other %s tensors; --quantization none uses the file's exact values)",
+                        file, name, qtype.name, qtype.name)
         return quantize(t, 8, name)
     return t
+
+
+_REQUANTIZED: set[gguf.GGMLQuantizationType] = set()

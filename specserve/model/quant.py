@@ -33,21 +33,56 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
+class TwoLevel:
+    """The scales of llama.cpp's K-quants as the file keeps them: each is ``sub * sup``, ``sub`` an integer per
+    group (6 bits in Q4_K, int8 per half group of 16 in Q6_K: ``halves`` 2) and ``sup`` an fp16 per super-block
+    of 256 weights (8 groups). The CPU kernels read them in this form (a tenth of the bytes of fp32 scales); the
+    product of an 8-bit integer and an fp16 is exact in fp32, so ``QuantizedTensor.scales`` / ``mins`` hold
+    exactly the same numbers."""
+
+    sub: torch.Tensor  # [N, G * halves] int8
+    sup: torch.Tensor  # [N, G // 8] float32 (fp16 values)
+    min_sub: torch.Tensor | None  # [N, G] int8 (mins = min_sub * min_sup), or None
+    min_sup: torch.Tensor | None  # [N, G // 8] float32 (fp16 values)
+    halves: int = 1
+
+    def rows(self, index: torch.Tensor) -> TwoLevel:
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index).contiguous()
+
+        return TwoLevel(pick(self.sub), pick(self.sup), pick(self.min_sub), pick(self.min_sup),  # type: ignore[arg-type]
+                        self.halves)
+
+
+@dataclass(frozen=True)
 class QuantizedTensor:
-    """A [N, K] weight in groups of ``GROUP`` along K: ``w[n, k] = scales[n, k // 32] * codes[n, k] (+ mins)``."""
+    """A [N, K] weight in groups along K (``GROUP`` = 32, or 16 for Q6_K's scales):
+    ``w[n, k] = scales[n, k // group] * codes[n, k] (+ mins)``; ``levels``: the same scales in K-quants'
+    two-level form (kept for the kernels), or None."""
 
     bits: int  # 4 (codes uint8 0..15, with mins) or 8 (codes int8, mins None)
     codes: torch.Tensor  # [N, K] uint8 (4 bits) or int8 (8 bits)
-    scales: torch.Tensor  # [N, K // GROUP] float32
-    mins: torch.Tensor | None  # [N, K // GROUP] float32, or None
+    scales: torch.Tensor  # [N, K // group] float32
+    mins: torch.Tensor | None  # [N, K // group] float32, or None
+    levels: TwoLevel | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.codes.shape
 
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    @property
+    def format(self) -> tuple[int, int, bool]:
+        """What must agree for two tensors to share one packed weight: bits, group size, two-level scales."""
+        return self.bits, self.group, self.levels is not None
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.codes.shape
-        w = self.codes.float().view(n, k // GROUP, GROUP) * self.scales[..., None]
+        g = self.group
+        w = self.codes.float().view(n, k // g, g) * self.scales[..., None]
         if self.mins is not None:
             w = w + self.mins[..., None]
         return w.view(n, k).to(dtype)
@@ -58,16 +93,43 @@ class QuantizedTensor:
             return t.index_select(0, index).contiguous()
 
         mins = None if self.mins is None else pick(self.mins)
-        return QuantizedTensor(self.bits, pick(self.codes), pick(self.scales), mins)
+        levels = None if self.levels is None else self.levels.rows(index)
+        return QuantizedTensor(self.bits, pick(self.codes), pick(self.scales), mins, levels)
 
 
-def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
-    """Concatenate along the output dimension (fused q/k/v, gate/up). Parts of different widths are
-    brought to the widest: 4-bit parts are requantized to 8 bits (a 16-level group fits 255 levels closely)."""
-    bits = max(p.bits for p in parts)
-    parts = [p if p.bits == bits else quantize(p.dequantize(), bits) for p in parts]
-    mins = None if bits == 8 else torch.cat([p.mins for p in parts])  # type: ignore[misc]
-    return QuantizedTensor(bits, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
+@dataclass(frozen=True)
+class QuantizedParts:
+    """Row blocks of different formats stacked along the output dimension (a fused q/k/v whose v is Q6_K and
+    q, k Q4_K, as llama.cpp's Q4_K_M files have them): each part is packed as it is, and their outputs are
+    concatenated, so no part is requantized."""
+
+    parts: tuple[QuantizedTensor, ...]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+
+def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor | QuantizedParts:
+    """Concatenate along the output dimension (fused q/k/v, gate/up). Parts of one format become one tensor;
+    parts of different formats stay apart (``QuantizedParts``)."""
+    if len({p.format for p in parts}) > 1:
+        return QuantizedParts(tuple(parts))
+    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
+    levels = None
+    if parts[0].levels is not None:
+        lv = [p.levels for p in parts]
+
+        def cat(name: str) -> torch.Tensor | None:
+            ts = [getattr(v, name) for v in lv]
+            return None if ts[0] is None else torch.cat(ts)
+
+        levels = TwoLevel(cat("sub"), cat("sup"), cat("min_sub"), cat("min_sup"), lv[0].halves)  # type: ignore
+    return QuantizedTensor(parts[0].bits, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                           mins, levels)
 
 
 def quantize(w: torch.Tensor, bits: int, name: str = "weight") -> QuantizedTensor:
@@ -193,6 +255,14 @@ class CpuQuantWeight(_Quantized):
         else:
             packed = qt.codes
         self.register_buffer("packed", packed.contiguous().to(device))
+        self.halves = 1
+        if qt.levels is not None:  # K-quants: the kernels read the file's two-level scales (uint8 blobs)
+            lv = qt.levels
+            self.halves = lv.halves
+            self.scales = _blob(lv.sub, lv.sup, lv.halves, self.tiled).to(device)
+            if lv.min_sub is not None:
+                self.mins = _blob(lv.min_sub, lv.min_sup, 1, self.tiled).to(device)  # type: ignore[arg-type]
+            return
         parts = [self.scales] + ([] if self.mins is None else [self.mins])
         if all(torch.equal(t.half().float(), t) for t in parts):
             self.scales = self.scales.half()
@@ -202,27 +272,57 @@ class CpuQuantWeight(_Quantized):
     def unpacked(self) -> QuantizedTensor:
         n, k = self.shape
         g = k // GROUP
-        scales = self.scales.float()
-        mins = None if self.mins is None else self.mins.float()
-        if self.tiled:  # [n / 16, g, 16] -> [n, g]
-            scales = scales.permute(0, 2, 1).reshape(n, g)
-            mins = None if mins is None else mins.permute(0, 2, 1).reshape(n, g)
-            if self.bits == 8:
-                c = self.packed.view(n // TILE, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
-                return QuantizedTensor(8, (c.to(torch.int16) - 128).to(torch.int8), scales, None)
+        if self.tiled and self.bits == 8:  # [n / 16, g, 8 chunks, 16 columns, 4 codes] + 128
+            c = self.packed.view(n // TILE, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
+            codes = (c.to(torch.int16) - 128).to(torch.int8)
+        elif self.tiled:
             b = self.packed.view(n // TILE, g, 4, TILE, 4)
             codes = torch.stack([b & 0xF, b >> 4], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(n, k)
-            return QuantizedTensor(4, codes, scales, mins)
-        if self.bits == 8:
-            return QuantizedTensor(8, self.packed, scales, None)
-        b = self.packed.view(n, g, GROUP // 2)
-        codes = torch.stack([b & 0xF, b >> 4], dim=2).reshape(n, k)
-        return QuantizedTensor(4, codes, scales, mins)
+        elif self.bits == 8:
+            codes = self.packed
+        else:
+            b = self.packed.view(n, g, GROUP // 2)
+            codes = torch.stack([b & 0xF, b >> 4], dim=2).reshape(n, k)
+
+        def values(t: torch.Tensor, halves: int) -> torch.Tensor:  # [n, g * halves] fp32
+            if t.dtype == torch.uint8:
+                return _unblob(t, n, g, halves, self.tiled)
+            return t.float().permute(0, 2, 1).reshape(n, g) if self.tiled else t.float()
+
+        mins = None if self.mins is None else values(self.mins, 1)
+        return QuantizedTensor(self.bits, codes, values(self.scales, self.halves), mins)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 4:
             return torch.ops.specserve_cpu.q4_mm(x, self.packed, self.scales, self.mins)
         return torch.ops.specserve_cpu.q8_mm(x, self.packed, self.scales)
+
+
+def _blob(sub: torch.Tensor, sup: torch.Tensor, halves: int, tiled: bool) -> torch.Tensor:
+    """Two-level scales as the CPU kernels read them (``Blob`` / ``Blob16`` in kernels/cpu_kernels.cpp), uint8:
+    rows [n, g / 8, 8 halves + 2] (a super-block's int8 subs, then its fp16 sup); tiled [n / 16, g / 8,
+    128 halves + 32] (subs [8 groups, halves, 16 columns], then the 16 columns' fp16 sups)."""
+    n, sb = sup.shape
+    sub8 = sub.to(torch.int8).view(torch.uint8)
+    sup8 = sup.half().view(torch.uint8).view(n, sb, 2)
+    if not tiled:
+        return torch.cat([sub8.view(n, sb, 8 * halves), sup8], dim=-1).contiguous()
+    s = sub8.view(n // TILE, TILE, sb, 8 * halves).permute(0, 2, 3, 1).reshape(n // TILE, sb, 128 * halves)
+    u = sup8.view(n // TILE, TILE, sb, 2).permute(0, 2, 1, 3).reshape(n // TILE, sb, 2 * TILE)
+    return torch.cat([s, u], dim=-1).contiguous()
+
+
+def _unblob(blob: torch.Tensor, n: int, g: int, halves: int, tiled: bool) -> torch.Tensor:
+    """``_blob``'s inverse, as products: [n, g * halves] fp32."""
+    sb = g // 8
+    if tiled:
+        sub = blob[..., :128 * halves].reshape(n // TILE, sb, 8 * halves, TILE).permute(0, 3, 1, 2)
+        sup = blob[..., 128 * halves:].reshape(n // TILE, sb, TILE, 2).permute(0, 2, 1, 3)
+    else:
+        sub, sup = blob[..., :8 * halves], blob[..., 8 * halves:]
+    sub = sub.contiguous().view(torch.int8).reshape(n, sb, 8 * halves).float()
+    sup = sup.contiguous().view(torch.float16).reshape(n, sb, 1).float()
+    return (sub * sup).reshape(n, g * halves)
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
@@ -260,16 +360,35 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     return y if bias is None else y + bias
 
 
-def pack(w: torch.Tensor | QuantizedTensor, kernels: str | None, device: torch.device, dtype: torch.dtype,
+def pack(w: torch.Tensor | QuantizedTensor | QuantizedParts, kernels: str | None, device: torch.device, dtype: torch.dtype,
          linear=F.linear) -> PackedWeight:  # noqa: ANN001 - the Linear seam
     """A weight in the form ``kernels`` runs; float tensors and weights no kernel takes stay dense."""
+    if isinstance(w, QuantizedParts):
+        if kernels == "cpu":
+            return ConcatWeight([pack(p, kernels, device, dtype, linear) for p in w.parts])
+        w = w.dequantize()
     if isinstance(w, QuantizedTensor):
         if kernels == "cpu":
             return CpuQuantWeight(w, device)
-        if kernels == "triton" and w.bits == 4:
+        if kernels == "triton" and w.bits == 4 and w.group == GROUP:
             return TritonQuantWeight(w, device)
         w = w.dequantize()
     return DenseWeight(w.to(device=device, dtype=dtype), linear)
+
+
+class ConcatWeight(PackedWeight):
+    """Parts of different formats stacked along the output dimension (``QuantizedParts``): each runs its own
+    kernel and the outputs are concatenated."""
+
+    def __init__(self, parts: list[PackedWeight]) -> None:
+        super().__init__((sum(p.out_features for p in parts), parts[0].in_features))
+        self.parts = nn.ModuleList(parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])  # type: ignore[operator]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(x) for p in self.parts], dim=-1)  # type: ignore[operator]
 
 
 def quantizes(mode: str, state_dict: dict) -> bool:
@@ -299,11 +418,11 @@ def make_packer(mode: str, kernels: str | None, state_dict: dict, device: torch.
         return None
     bits = {"int4": 4, "int8": 8}.get(mode)
 
-    def packer(w: torch.Tensor | QuantizedTensor, name: str) -> PackedWeight:
+    def packer(w: torch.Tensor | QuantizedTensor | QuantizedParts, name: str) -> PackedWeight:
         if bits is not None:
             head = name in ("lm_head.weight", "model.embed_tokens.weight")
             if not (isinstance(w, QuantizedTensor) and (head or w.bits == bits)):
-                w = quantize(w.dequantize() if isinstance(w, QuantizedTensor) else w, 8 if head else bits, name)
+                w = quantize(w if isinstance(w, torch.Tensor) else w.dequantize(), 8 if head else bits, name)
         return pack(w, kernels, device, dtype, linear)
 
     return packer
@@ -325,7 +444,7 @@ def describe_weights(model: nn.Module) -> str:
     """One start-up line: how many matmul weights of each kind, and their bytes."""
     kinds: dict[str, list[int]] = {}
     for m in model.modules():
-        if isinstance(m, PackedWeight):
+        if isinstance(m, PackedWeight) and not isinstance(m, ConcatWeight):  # (its parts are counted)
             kind = f"int{m.bits}" if isinstance(m, _Quantized) else "dense"
             nbytes = sum(b.numel() * b.element_size() for b in list(m.buffers()) + list(m.parameters()))
             entry = kinds.setdefault(kind, [0, 0])

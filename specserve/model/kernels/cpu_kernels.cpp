@@ -115,6 +115,44 @@ template <typename S> inline __m256 scale8(const S* p);
 template <> inline __m256 scale8<float>(const float* p) { return _mm256_loadu_ps(p); }
 template <> inline __m256 scale8<at::Half>(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// How the row layout's kernels read a weight's per-group scales (or mins):
+//   Plain<S>: one fp32 / fp16 value per group, [N, G];
+//   Blob<H>: the two-level scales of llama.cpp's K-quants, value = sub * sup: per row and super-block of 8
+//     groups (256 weights), 8 H int8 subs (H = 2: one per half group of 16, as Q6_K has them) then the fp16
+//     sup; [N, G / 8, 8 H + 2] bytes. An 8-bit integer times an fp16 has at most 19 significant bits, so the
+//     fp32 product is exact: the kernels compute with the file's numbers, as with a Plain<float> of products.
+template <typename S> struct Plain {
+  static constexpr int kHalves = 1;
+  const S* p; int64_t G;
+  __m128 pair(int64_t n, int64_t g) const { return scale2<S>(p + n * G + g); }  // groups g, g + 1: lanes 0, 1
+  __m128 four(int64_t n, int64_t g) const { return pair(n, g); }  // (only Blob<2> has four values here)
+  float one(int64_t n, int64_t g) const { return static_cast<float>(p[n * G + g]); }
+  __m256 eight(int64_t n, int64_t g) const { return scale8<S>(p + n * G + g); }
+};
+template <int H> struct Blob {
+  static constexpr int kHalves = H;
+  static constexpr int64_t kBytes = 8 * H + 2;
+  const uint8_t* p; int64_t G;
+  const uint8_t* sb(int64_t n, int64_t g) const { return p + (n * (G / 8) + g / 8) * kBytes; }
+  static float sup(const uint8_t* b) { at::Half h; std::memcpy(&h, b + 8 * H, 2); return static_cast<float>(h); }
+  // values (g % 8) H .. + 3 of g's super-block: H = 1, groups g .. g + 3; H = 2, [g lo, g hi, g+1 lo, g+1 hi]
+  __m128 four(int64_t n, int64_t g) const {
+    const uint8_t* b = sb(n, g);
+    int32_t bits; std::memcpy(&bits, b + (g % 8) * H, 4);
+    return _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(bits))), _mm_set1_ps(sup(b)));
+  }
+  __m128 pair(int64_t n, int64_t g) const { return four(n, g); }
+  float one(int64_t n, int64_t g) const {
+    const uint8_t* b = sb(n, g);
+    return static_cast<float>(static_cast<int8_t>(b[(g % 8) * H])) * sup(b);
+  }
+  __m256 eight(int64_t n, int64_t g) const {  // H = 1, g % 8 = 0
+    const uint8_t* b = sb(n, g);
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+    return _mm256_mul_ps(v, _mm256_set1_ps(sup(b)));
+  }
+};
+
 // A block's weight codes as four 16-bit registers in the activations' order (above): u[0..3] pair with
 // activation registers 0..3; a lone group fills u[0], u[1] only.
 //   q4 (one 32-byte load = groups a, b; low nibbles are codes 0-15, high nibbles 16-31), widened in-lane with
@@ -157,24 +195,41 @@ inline void block_codes(const uint8_t* qn, int64_t b, __m256i u[4]) {
 
 // R rows of y from m0, output columns [n0, n1). Per block, the 16-bit activation codes times the weight codes
 // in integers (vpmaddwd: exact), summed per 128-bit lane (lane 0 = group a, lane 1 = group b), converted
-// and scaled by scale * d per lane in fp32. R is a template argument so the accumulators stay in registers;
-// the arithmetic of a row is the same for every R.
-template <bool kQ4, typename S, int R>
-void tile(const Rows& xq, const uint8_t* q, const S* sc, const S* mins, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+// and scaled by scale * d per lane in fp32. With half-group scales (8-bit codes, Blob<2>) the first and the
+// second 16 codes of each group are summed and scaled apart. R is a template argument so the accumulators stay
+// in registers; the arithmetic of a row is the same for every R.
+template <bool kQ4, typename Sc, int R>
+void tile(const Rows& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t G = xq.G, B = xq.B, bytes = kQ4 ? 16 : 32;
   const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const int16_t* xb = xq.q.data() + m0 * B * 64; const float* dvb = xq.dv.data() + m0 * B * 8;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qn = q + n * G * bytes; const S* sn = sc + n * G;
+    const uint8_t* qn = q + n * G * bytes;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     auto block = [&](int64_t b, auto lone_t) {
       constexpr bool lone = decltype(lone_t)::value;
       __m256i u[4];
       block_codes<kQ4, lone>(qn, b, u);
+      if constexpr (Sc::kHalves == 2) {  // lanes of u0 + u1: [a lo | b lo] (lone: [a lo | a hi]); of u2 + u3: [a hi | b hi]
+        const __m256 f = _mm256_castps128_ps256(sc.four(n, 2 * b));  // [a lo, a hi, b lo, b hi]
+        const __m256 wlo = _mm256_permutevar8x32_ps(f, lone ? pair : _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+        const __m256 whi = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+        for (int r = 0; r < R; ++r) {
+          const __m256i* xr = reinterpret_cast<const __m256i*>(xb + (r * B + b) * 64);
+          const __m256 dv = _mm256_loadu_ps(dvb + (r * B + b) * 8);
+          const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(u[0], _mm256_loadu_si256(xr)), _mm256_madd_epi16(u[1], _mm256_loadu_si256(xr + 1)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(wlo, dv), acc[r]);
+          if constexpr (!lone) {
+            const __m256i p2 = _mm256_add_epi32(_mm256_madd_epi16(u[2], _mm256_loadu_si256(xr + 2)), _mm256_madd_epi16(u[3], _mm256_loadu_si256(xr + 3)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p2), _mm256_mul_ps(whi, dv), acc[r]);
+          }
+        }
+        return;
+      }
       __m256 ws;
-      if constexpr (lone) ws = _mm256_set1_ps(static_cast<float>(sn[2 * b]));
-      else ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scale2<S>(sn + 2 * b)), pair);
+      if constexpr (lone) ws = _mm256_set1_ps(sc.one(n, 2 * b));
+      else ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(sc.pair(n, 2 * b)), pair);
       for (int r = 0; r < R; ++r) {
         const __m256i* xr = reinterpret_cast<const __m256i*>(xb + (r * B + b) * 64);
         __m256i p = _mm256_add_epi32(_mm256_madd_epi16(u[0], _mm256_loadu_si256(xr)), _mm256_madd_epi16(u[1], _mm256_loadu_si256(xr + 1)));
@@ -187,25 +242,28 @@ void tile(const Rows& xq, const uint8_t* q, const S* sc, const S* mins, float* y
     for (int r = 0; r < R; ++r) {
       float m = 0.f;
       if constexpr (kQ4) {  // the min term: sum over groups of min * sum(x), 8 groups at a time
-        const S* mn = mins + n * G; const float* xs = xq.sum.data() + (m0 + r) * G;
+        const float* xs = xq.sum.data() + (m0 + r) * G;
         __m256 mv = _mm256_setzero_ps(); int64_t g = 0;
-        for (; g + 8 <= G; g += 8) mv = _mm256_fmadd_ps(scale8<S>(mn + g), _mm256_loadu_ps(xs + g), mv);
+        for (; g + 8 <= G; g += 8) mv = _mm256_fmadd_ps(mins.eight(n, g), _mm256_loadu_ps(xs + g), mv);
         m = hsum(mv);
-        for (; g < G; ++g) m += static_cast<float>(mn[g]) * xs[g];
+        for (; g < G; ++g) m += mins.one(n, g) * xs[g];
       }
       y[(m0 + r) * N + n] = hsum(acc[r]) + m;
     }
   }
 }
-template <bool kQ4, typename S>
-void mm_rows(const Rows& xq, const at::Tensor& q, const at::Tensor& sc, const c10::optional<at::Tensor>& mins, at::Tensor& y) {
+template <bool kQ4, typename Sc>
+void mm_rows(const Rows& xq, const at::Tensor& q, const Sc& sc, const Sc& mins, at::Tensor& y) {
   const int64_t M = y.size(0), N = y.size(1);
-  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr()); const S* sp = sc.data_ptr<S>();
-  const S* mp = mins.has_value() ? mins->data_ptr<S>() : nullptr; float* yp = y.data_ptr<float>();
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr()); float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowTile)
-      with_rows<kRowTile>(M - m0, [&](auto r) { tile<kQ4, S, decltype(r)::value>(xq, qp, sp, mp, yp, N, m0, n0, n1); });
+      with_rows<kRowTile>(M - m0, [&](auto r) { tile<kQ4, Sc, decltype(r)::value>(xq, qp, sc, mins, yp, N, m0, n0, n1); });
   });
+}
+// Blob scales: how many values per group (1, or 2 for half groups), from the blob's last dimension.
+inline int blob_halves(const at::Tensor& sc, int64_t fixed, int64_t per_half) {
+  return static_cast<int>((sc.size(2) - fixed) / per_half);
 }
 // ---------------------------------------------------------------------------------------------------------
 // The tiled layout, for CPUs with AVX-512 VNNI (chosen in platform.py; only called where the CPU has it).
@@ -249,12 +307,13 @@ struct Rows16 {
   std::vector<float> d;        // [M, G] scales max|x| / 32512
   std::vector<float> sum;      // [M, G] fp32 sums of x (the 4-bit min term)
   std::vector<int32_t> c128;   // [M, G] 128 * sum of the codes (the 8-bit + 128 offset)
+  std::vector<int32_t> c128h;  // [M, G, 2] the same for each half group (codes 0-15, 16-31: Blob16<2> scales)
 };
 Rows16 quantize_rows16(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
   constexpr float kLevels = 32512.f;
   Rows16 o{G, std::vector<int8_t>(M * G * 64), std::vector<float>(M * G), std::vector<float>(M * G),
-           std::vector<int32_t>(M * G)};
+           std::vector<int32_t>(M * G), std::vector<int32_t>(M * G * 2)};
   const __m512i k128 = _mm512_set1_epi32(128);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
@@ -272,7 +331,9 @@ Rows16 quantize_rows16(const float* x, int64_t M, int64_t K) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm512_cvtsepi32_epi8(lb));
       o.d[m * G + g] = amax / kLevels;
       o.sum[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-      o.c128[m * G + g] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
+      o.c128h[(m * G + g) * 2] = 128 * _mm512_reduce_add_epi32(ca);
+      o.c128h[(m * G + g) * 2 + 1] = 128 * _mm512_reduce_add_epi32(cb);
+      o.c128[m * G + g] = o.c128h[(m * G + g) * 2] + o.c128h[(m * G + g) * 2 + 1];
     }
   }
   return o;
@@ -282,9 +343,31 @@ template <typename S> inline __m512 load16(const S* p);
 template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
 template <> inline __m512 load16<at::Half>(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// Rows m0 .. m0 + R of y, column tiles [t0, t1).
-template <bool kQ4, typename S, int R>
-void tile16(const Rows16& xq, const uint8_t* q, const S* sc, const S* mins, float* y, int64_t N, int64_t m0,
+// How the tiled kernels read a weight's scales (or mins) for the 16 columns of tile t at group g (half h):
+//   Plain16<S>: fp32 / fp16 values, [N / 16, G, 16];
+//   Blob16<H>: K-quants' two-level scales (Blob<H> above), per tile and super-block of 8 groups the int8 subs
+//     [8 groups, H, 16 columns] then the 16 columns' fp16 sups: [N / 16, G / 8, 128 H + 32] bytes.
+template <typename S> struct Plain16 {
+  static constexpr int kHalves = 1;
+  const S* p; int64_t G;
+  __m512 at(int64_t t, int64_t g, int) const { return load16<S>(p + (t * G + g) * kTile16); }
+};
+template <int H> struct Blob16 {
+  static constexpr int kHalves = H;
+  static constexpr int64_t kBytes = 128 * H + 32;
+  const uint8_t* p; int64_t G;
+  __m512 at(int64_t t, int64_t g, int h) const {
+    const uint8_t* b = p + (t * (G / 8) + g / 8) * kBytes;
+    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + ((g % 8) * H + h) * kTile16));
+    const __m512 sup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 * H)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub)), sup);
+  }
+};
+
+// Rows m0 .. m0 + R of y, column tiles [t0, t1). With half-group scales (8-bit codes, Blob16<2>) chunks 0-3
+// (codes 0-15) and 4-7 (16-31) are summed and scaled apart.
+template <bool kQ4, typename Sc, int R>
+void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float* y, int64_t N, int64_t m0,
             int64_t t0, int64_t t1) {
   const int64_t G = xq.G, bytes = kQ4 ? 256 : 512;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -304,9 +387,32 @@ void tile16(const Rows16& xq, const uint8_t* q, const S* sc, const S* mins, floa
       } else {
         for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(qg + 64 * j);
       }
-      const __m512 ws = load16<S>(sc + (t * G + g) * kTile16);
+      const __m512 ws = sc.at(t, g, 0);
+      if constexpr (Sc::kHalves == 2) {
+        const __m512 ws2 = sc.at(t, g, 1);
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = m0 + r;
+          const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + (row * G + g) * 64);
+          __m512i s[2];
+          for (int half = 0; half < 2; ++half) {
+            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+            for (int j = 4 * half; j < 4 * half + 4; j += 2) {
+              h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(xr[j]));
+              h1 = _mm512_dpbusd_epi32(h1, w[j + 1], _mm512_set1_epi32(xr[j + 1]));
+              l0 = _mm512_dpbusd_epi32(l0, w[j], _mm512_set1_epi32(xr[8 + j]));
+              l1 = _mm512_dpbusd_epi32(l1, w[j + 1], _mm512_set1_epi32(xr[9 + j]));
+            }
+            s[half] = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1)),
+                                       _mm512_set1_epi32(xq.c128h[(row * G + g) * 2 + half]));
+          }
+          const __m512 d = _mm512_set1_ps(xq.d[row * G + g]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(ws, d), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1]), _mm512_mul_ps(ws2, d), acc[r]);
+        }
+        continue;
+      }
       __m512 wm;
-      if constexpr (kQ4) wm = load16<S>(mins + (t * G + g) * kTile16);
+      if constexpr (kQ4) wm = mins.at(t, g, 0);
       for (int r = 0; r < R; ++r) {
         const int64_t row = m0 + r;
         const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + (row * G + g) * 64);
@@ -327,8 +433,8 @@ void tile16(const Rows16& xq, const uint8_t* q, const S* sc, const S* mins, floa
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + t * kTile16, acc[r]);
   }
 }
-template <bool kQ4, typename S>
-void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const S* sp, const S* mp, float* yp, int64_t M, int64_t N) {
+template <bool kQ4, typename Sc>
+void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const Sc& sc, const Sc& mins, float* yp, int64_t M, int64_t N) {
   // A thread's tiles in blocks of kTileBlock, each block over every row tile: a block's weights stay in cache
   // while a long prompt's rows pass (a decode step has one row tile, one pass).
   constexpr int64_t kTileBlock = 8;
@@ -336,17 +442,19 @@ void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const S* sp, const S* mp
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileBlock) {
       const int64_t t1 = std::min(t_end, t0 + kTileBlock);
       for (int64_t m0 = 0; m0 < M; m0 += kRows16)
-        with_rows<kRows16>(M - m0, [&](auto r) { tile16<kQ4, S, decltype(r)::value>(xq, qp, sp, mp, yp, N, m0, t0, t1); });
+        with_rows<kRows16>(M - m0, [&](auto r) { tile16<kQ4, Sc, decltype(r)::value>(xq, qp, sc, mins, yp, N, m0, t0, t1); });
     }
   });
 }
 template <bool kQ4>
 at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc, const c10::optional<at::Tensor>& mins) {
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, N = q.size(0) * kTile16;
-  const bool half = sc.scalar_type() == at::kHalf;
+  const bool half = sc.scalar_type() == at::kHalf, blob = sc.scalar_type() == at::kByte;
   TORCH_CHECK(q.is_contiguous() && q.size(1) == G && q.size(2) == (kQ4 ? 256 : 512) && sc.is_contiguous() &&
-              sc.dim() == 3 && sc.size(0) == q.size(0) && sc.size(1) == G && sc.size(2) == kTile16 &&
-              (half || sc.scalar_type() == at::kFloat), "tiled weight shape does not match x");
+              sc.dim() == 3 && sc.size(0) == q.size(0), "tiled weight shape does not match x");
+  TORCH_CHECK(blob ? (G % 8 == 0 && sc.size(1) == G / 8 && (sc.size(2) == 160 || (!kQ4 && sc.size(2) == 288)))
+                   : (sc.size(1) == G && sc.size(2) == kTile16 && (half || sc.scalar_type() == at::kFloat)),
+              "tiled weight scales do not match the codes");
   TORCH_CHECK(!kQ4 || (mins.has_value() && mins->sizes() == sc.sizes() && mins->is_contiguous() &&
                        mins->scalar_type() == sc.scalar_type()), "bad mins");
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"),
@@ -354,8 +462,17 @@ at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   const Rows16 xq = quantize_rows16(x.data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  if (half) mm_tiled_rows<kQ4, at::Half>(xq, qp, sc.data_ptr<at::Half>(), mins.has_value() ? mins->data_ptr<at::Half>() : nullptr, y.data_ptr<float>(), M, N);
-  else mm_tiled_rows<kQ4, float>(xq, qp, sc.data_ptr<float>(), mins.has_value() ? mins->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N);
+  float* yp = y.data_ptr<float>();
+  auto run = [&](auto s, auto m) { mm_tiled_rows<kQ4>(xq, qp, s, m, yp, M, N); };
+  if (blob) {
+    const uint8_t* mp = mins.has_value() ? mins->data_ptr<uint8_t>() : nullptr;
+    if (kQ4 || blob_halves(sc, 32, 128) == 1) run(Blob16<1>{sc.data_ptr<uint8_t>(), G}, Blob16<1>{mp, G});
+    else if constexpr (!kQ4) run(Blob16<2>{sc.data_ptr<uint8_t>(), G}, Blob16<2>{nullptr, G});
+  } else if (half) {
+    run(Plain16<at::Half>{sc.data_ptr<at::Half>(), G}, Plain16<at::Half>{mins.has_value() ? mins->data_ptr<at::Half>() : nullptr, G});
+  } else {
+    run(Plain16<float>{sc.data_ptr<float>(), G}, Plain16<float>{mins.has_value() ? mins->data_ptr<float>() : nullptr, G});
+  }
   return y;
 }
 
@@ -366,16 +483,26 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc,
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % kGroup == 0, "x must be [M, K] with K a multiple of 32");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   if (q.dim() == 3) return mm_tiled<kQ4>(x, q, sc, mins).to(x_in.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1), N = sc.size(0);
-  const bool half = sc.scalar_type() == at::kHalf;
-  TORCH_CHECK(sc.is_contiguous() && (half || sc.scalar_type() == at::kFloat) && sc.size(1) == K / kGroup &&
-              q.is_contiguous() && q.numel() == N * K / (kQ4 ? 2 : 1), "weight shape does not match x");
+  const int64_t M = x.size(0), K = x.size(1), N = sc.size(0), G = K / kGroup;
+  const bool half = sc.scalar_type() == at::kHalf, blob = sc.scalar_type() == at::kByte;
+  TORCH_CHECK(sc.is_contiguous() && q.is_contiguous() && q.numel() == N * K / (kQ4 ? 2 : 1), "weight shape does not match x");
+  TORCH_CHECK(blob ? (sc.dim() == 3 && G % 8 == 0 && sc.size(1) == G / 8 && (sc.size(2) == 10 || (!kQ4 && sc.size(2) == 18)))
+                   : ((half || sc.scalar_type() == at::kFloat) && sc.size(1) == G),
+              "weight scales do not match the codes");
   TORCH_CHECK(!kQ4 || (mins.has_value() && mins->sizes() == sc.sizes() && mins->is_contiguous() &&
                        mins->scalar_type() == sc.scalar_type()), "bad mins");
   const Rows xq = quantize_rows(x.data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, x.options());
-  if (half) mm_rows<kQ4, at::Half>(xq, q, sc, mins, y);
-  else mm_rows<kQ4, float>(xq, q, sc, mins, y);
+  auto run = [&](auto s, auto m) { mm_rows<kQ4>(xq, q, s, m, y); };
+  if (blob) {
+    const uint8_t* mp = mins.has_value() ? mins->data_ptr<uint8_t>() : nullptr;
+    if (kQ4 || blob_halves(sc, 2, 8) == 1) run(Blob<1>{sc.data_ptr<uint8_t>(), G}, Blob<1>{mp, G});
+    else if constexpr (!kQ4) run(Blob<2>{sc.data_ptr<uint8_t>(), G}, Blob<2>{nullptr, G});
+  } else if (half) {
+    run(Plain<at::Half>{sc.data_ptr<at::Half>(), G}, Plain<at::Half>{mins.has_value() ? mins->data_ptr<at::Half>() : nullptr, G});
+  } else {
+    run(Plain<float>{sc.data_ptr<float>(), G}, Plain<float>{mins.has_value() ? mins->data_ptr<float>() : nullptr, G});
+  }
   return y.to(x_in.scalar_type());
 }
 // The row layout (above) or the tiled layout (3-D codes, below): which one a weight has is its packer's
