@@ -1,27 +1,33 @@
-"""specserve vs llama.cpp on the demo GGUF: batch 1, greedy, same prompt token ids, same thread count.
+"""specserve vs native llama.cpp on a GGUF (the demo model by default): batch 1, greedy, same thread count.
 
-Per thread count T (``--threads 1,2``) and workload (``--datasets chat,code``), ``--repeats`` rounds (>= 3), each
-one process of
+The peer is llama.cpp's own binaries, built by ``bash benchmarks/build_llama_cpp.sh`` (found in
+``--llama-cpp-dir``, else $LLAMA_CPP_DIR, else /tmp/llama.cpp-native/build/bin). No Python in its loop.
+
+Offline (default). Per thread count T (``--threads 2,1``) and workload (``--datasets chat,code``), ``--repeats``
+rounds (>= 3), each one process of
 
     specserve bench offline --batch-sizes 1 --repeats 1 --peer llama.cpp --peer-threads T [SPEC ARGS] [EXTRA]
 
-with ``SPECSERVE_NUM_THREADS=T``: it loads specserve once, measures speculation off and on (the same engine,
-``generate(speculative=False)`` for off; warm-up excluded), then runs llama.cpp (llama-cpp-python on the same
-GGUF, its own process, n_threads = T) on the same chat-templated prompt ids. So the three engines are
-interleaved round by round; medians over rounds are printed with the ratio to llama.cpp. tok/s everywhere =
-generated tokens / wall seconds of a run over its prompts, prefill included.
+with ``SPECSERVE_NUM_THREADS=T``: specserve speculation off and on (one loaded engine, warm-up excluded), then
+``llama-bench -t T -p P -n 128 -o json`` (tg128: llama.cpp's pure decode rate; pp P: its prefill rate, P = the
+median prompt length) and the same chat-templated prompt ids through ``llama-server`` (one request at a time,
+greedy, prompt cache off). Medians over rounds; ratios to llama-bench tg128 and to llama-server's same-prompts
+rate. specserve's tok/s = generated tokens / wall seconds of a run over its prompts, prefill included.
 
-    .venv/bin/python benchmarks/vs_llama_cpp.py                                  # make serve's flags, T = every core
-    .venv/bin/python benchmarks/vs_llama_cpp.py --threads 1,2 --quantization auto   # unknown flags go to specserve
+    .venv/bin/python benchmarks/vs_llama_cpp.py --threads 2,1                    # make serve's flags
     .venv/bin/python benchmarks/vs_llama_cpp.py --spec-args '--speculative-method ngram --num-speculative-tokens 5'
+    .venv/bin/python benchmarks/vs_llama_cpp.py --llama-cpp-only --model Q.gguf   # llama-bench alone, no specserve
 
-The peer interpreter: ``--peer-python``, else $SPECSERVE_LLAMA_CPP_PYTHON, else /tmp/llama-venv/bin/python (built by
-``benchmarks/build_llama_cpp.sh /tmp/llama-venv``).
+Served (``--served``): per round, `specserve serve MODEL [SPEC ARGS] [EXTRA]` and `llama-server -m MODEL
+[--llama-server-args]` each get the dataset's chat prompts through the OpenAI API (/v1/chat/completions,
+streaming, greedy, ``--concurrency`` requests in flight, 1 by default), each applying the GGUF's chat template
+itself; output tok/s = output tokens / wall seconds of the run. Unknown flags go to specserve.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
@@ -31,9 +37,12 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from specserve.bench import llama_cpp_peer as lcp  # noqa: E402
+
 MAKE_SERVE = ("--speculative-model specserve/data/drafts/smollm2-135m-eagle --num-speculative-tokens 5 "
               "--prompt-lookup-first")
-ENGINES = ("specserve off", "specserve on", "llama.cpp")
 
 
 def specserve_cmd() -> list[str]:
@@ -41,16 +50,43 @@ def specserve_cmd() -> list[str]:
     return [exe] if os.path.exists(exe) else [sys.executable, "-m", "specserve.cli"]
 
 
+def median_table(tok_s: dict[tuple, list[float]], keys: list[tuple], engines: list[str], refs: list[str]
+                 ) -> tuple[list[list[str]], list[dict]]:
+    rows, summary = [], []
+    for key in keys:
+        ref_meds = {r: statistics.median(tok_s[(*key, r)]) if tok_s.get((*key, r)) else None for r in refs}
+        for eng in engines:
+            runs = tok_s.get((*key, eng))
+            if not runs:
+                continue
+            med = statistics.median(runs)
+            ratios = {r: (med / v if v else None) for r, v in ref_meds.items()}
+            rows.append([*map(str, key), eng, f"{med:.2f}",
+                         *(f"{x:.3f}" if x is not None else "-" for x in ratios.values())])
+            summary.append({"key": list(key), "engine": eng, "tok_s_median": med, "runs": runs,
+                            **{f"vs {r}": x for r, x in ratios.items()}})
+    return rows, summary
+
+
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    for line in [headers, *rows]:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+
+
+# -- offline ------------------------------------------------------------------------------------------------------
 def one_round(args: argparse.Namespace, extra: list[str], threads: int, dataset: str, out: str) -> dict:
-    """One `bench offline` process: specserve off and on, then llama.cpp; returns its results.json."""
+    """One `bench offline` process: specserve off and on, then llama-bench and llama-server; its results.json."""
     cmd = [*specserve_cmd(), "bench", "offline", "--dataset", dataset, "--num-prompts", str(args.num_prompts),
            "--batch-sizes", "1", "--max-tokens", str(args.max_tokens), "--repeats", "1", "--peer", "llama.cpp",
-           "--peer-threads", str(threads), "--out", out, "--no-progress",
+           "--peer-threads", str(threads), "--peer-tg", str(args.tg), "--out", out, "--no-progress",
            *shlex.split(args.spec_args), *extra]
     if args.model:
         cmd += ["--model", args.model]
-    if args.peer_python:
-        cmd += ["--peer-python", args.peer_python]
+    if args.llama_cpp_dir:
+        cmd += ["--llama-cpp-dir", args.llama_cpp_dir]
+    if args.llama_server_args:
+        cmd += ["--peer-server-args", args.llama_server_args]
     if args.ignore_eos:
         cmd.append("--ignore-eos")
     env = {**os.environ, "SPECSERVE_NUM_THREADS": str(threads)}
@@ -62,9 +98,105 @@ def one_round(args: argparse.Namespace, extra: list[str], threads: int, dataset:
         return json.load(f)
 
 
-def figures(doc: dict) -> dict[str, float]:
-    b, peer = doc["batches"][0], doc["llama_cpp"]
-    return {"specserve off": b["off_tok_s"], "specserve on": b["on_tok_s"], "llama.cpp": peer["tok_s"]}
+def offline(args: argparse.Namespace, extra: list[str], thread_counts: list[int], out: str) -> dict:
+    tg_name = f"llama-bench tg{args.tg}"
+    engines = ["specserve off", "specserve on", tg_name, "llama-server"]
+    tok_s: dict[tuple, list[float]] = {}
+    info: dict[int, dict] = {}
+    datasets = args.datasets.split(",")
+    for t in thread_counts:
+        for ds in datasets:
+            for r in range(args.repeats):
+                print(f"threads {t}, {ds}, round {r + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
+                doc = one_round(args, extra, t, ds, os.path.join(out, f"t{t}-{ds}-r{r}"))
+                b, peer = doc["batches"][0], doc["llama_cpp"]
+                for eng, v in (("specserve off", b["off_tok_s"]), ("specserve on", b["on_tok_s"]),
+                               (tg_name, peer["tok_s"]), ("llama-server", peer.get("served_tok_s"))):
+                    if v is not None:
+                        tok_s.setdefault((t, ds, eng), []).append(v)
+                served = peer["modes"].get("llama-server, same prompts") or {}
+                info[t] = {"specserve_threads": peer.get("specserve_threads"), "llama_cpp_threads": peer["n_threads"],
+                           "build": peer["build_number"], "llama_bench": peer["bench"]["command"],
+                           "llama_server": (peer.get("served") or {}).get("command"),
+                           "same_tokens": f"{served.get('agree')}/{served.get('num_prompts')}"}
+    for t, i in info.items():
+        print(f"threads {t}: specserve torch threads {i['specserve_threads']}; llama.cpp build {i['build']}, "
+              f"-t {i['llama_cpp_threads']}\n  {i['llama_bench']}\n  {i['llama_server']} "
+              f"(last round: same tokens as specserve off {i['same_tokens']})")
+    print(f"specserve on = {args.spec_args} {shlex.join(extra)}".rstrip())
+    print(f"batch 1, greedy, {args.num_prompts} prompts x {args.max_tokens} max tokens, median of {args.repeats} "
+          f"interleaved rounds (llama-bench: one sample per round, -r 1)\n")
+    keys = [(t, ds) for t in thread_counts for ds in datasets]
+    rows, summary = median_table(tok_s, keys, engines, [tg_name, "llama-server"])
+    print_table(["threads", "workload", "engine", "tok/s (median)", f"vs {tg_name}", "vs llama-server"], rows)
+    return {"threads": info, "rows": summary}
+
+
+def llama_cpp_only(args: argparse.Namespace, thread_counts: list[int]) -> dict:
+    """llama-bench alone on the model: tg and pp, ``--repeats`` samples per thread count."""
+    from specserve.model.loader import default_model_path
+
+    exe = lcp.find_binary(lcp.BENCH, args.llama_cpp_dir)
+    model = args.model or default_model_path()
+    res = {}
+    for t in thread_counts:
+        r = lcp.run_bench(exe, model, t, args.repeats, args.pp, args.tg)
+        print(f"threads {t}: {r['command']}\n  build {r['build_number']} ({r['build_commit']}), {r['cpu_info']}")
+        for test in r["tests"]:
+            print(f"  {test['test']:>8}: {test['tok_s']:8.2f} tok/s median (avg {test['avg_tok_s']:.2f} "
+                  f"+- {test['stddev_tok_s'] or 0:.2f}; samples {', '.join(f'{x:.2f}' for x in test['samples_tok_s'])})")
+        res[t] = r
+    return res
+
+
+# -- served -------------------------------------------------------------------------------------------------------
+def served(args: argparse.Namespace, extra: list[str], thread_counts: list[int], out: str) -> dict:
+    from specserve.bench.serve import LaunchedServer, run_load
+    from specserve.datasets import load_dataset
+    from specserve.model.loader import default_model_path
+
+    model = args.model or default_model_path()
+    server_exe = lcp.find_binary(lcp.SERVER, args.llama_cpp_dir)
+    datasets = args.datasets.split(",")
+    spec = shlex.split(args.spec_args)
+    configs = {"specserve off": [model, *extra], "specserve on": [model, *spec, *extra]} if spec else {
+        "specserve": [model, *extra]}
+    tok_s: dict[tuple, list[float]] = {}
+    commands: dict[str, str] = {}
+    for t in thread_counts:
+        os.environ["SPECSERVE_NUM_THREADS"] = str(t)
+        for ds in datasets:
+            items = load_dataset(ds)[:args.num_prompts]
+            load = dict(items=items, concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=0.0,
+                        ignore_eos=args.ignore_eos, endpoint="chat", progress=False)
+            for r in range(args.repeats):
+                print(f"served: threads {t}, {ds}, round {r + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
+                for name, serve_args in configs.items():
+                    srv = LaunchedServer(serve_args, os.path.join(out, f"{name.replace(' ', '_')}-t{t}.log"))
+                    try:
+                        srv.wait_ready(600)
+                        s = asyncio.run(run_load(srv.url, **load))
+                    finally:
+                        srv.stop()
+                    commands[name] = f"SPECSERVE_NUM_THREADS={t} specserve serve {shlex.join(serve_args)}"
+                    tok_s.setdefault((t, ds, name), []).append(s["output_throughput"])
+                port = lcp.free_port()
+                n_ctx = args.llama_server_ctx
+                cmd = lcp.server_command(server_exe, model, t, port, n_ctx, shlex.split(args.llama_server_args))
+                with lcp.LlamaServer(cmd, port) as ls:
+                    s = asyncio.run(run_load(ls.url, **load))
+                commands["llama-server"] = shlex.join(cmd)
+                tok_s.setdefault((t, ds, "llama-server"), []).append(s["output_throughput"])
+                if s["failed"]:
+                    print(f"llama-server: {s['failed']} requests failed: {s['errors']}", file=sys.stderr)
+    for name, c in commands.items():
+        print(f"{name}: {c}")
+    print(f"OpenAI API, /v1/chat/completions streaming, greedy, concurrency {args.concurrency}, "
+          f"{args.num_prompts} prompts x {args.max_tokens} max tokens, median of {args.repeats} rounds\n")
+    keys = [(t, ds) for t in thread_counts for ds in datasets]
+    rows, summary = median_table(tok_s, keys, [*configs, "llama-server"], ["llama-server"])
+    print_table(["threads", "workload", "engine", "output tok/s (median)", "vs llama-server"], rows)
+    return {"commands": commands, "rows": summary}
 
 
 def main() -> int:
@@ -77,57 +209,44 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--spec-args", default=MAKE_SERVE, help=f"specserve's speculative flags (default: {MAKE_SERVE})")
-    ap.add_argument("--peer-python", default=None, help="interpreter with llama_cpp")
-    ap.add_argument("--out", default=None, help="keep every round's results.json / report.md and summary.json here")
+    ap.add_argument("--llama-cpp-dir", default=None, help=f"llama.cpp binaries (default: ${lcp.DIR_ENV}, else "
+                                                          f"{lcp.DEFAULT_DIR})")
+    ap.add_argument("--tg", type=int, default=128, help="llama-bench tg length (default 128)")
+    ap.add_argument("--pp", type=int, default=512, help="--llama-cpp-only: llama-bench pp length (default 512)")
+    ap.add_argument("--llama-cpp-only", action="store_true", help="llama-bench alone on --model, no specserve")
+    ap.add_argument("--served", action="store_true", help="OpenAI-API runs: specserve serve vs llama-server")
+    ap.add_argument("--concurrency", type=int, default=1, help="--served: requests in flight (default 1)")
+    ap.add_argument("--llama-server-args", default="",
+                    help="extra llama-server flags, e.g. '-md DRAFT.gguf --draft-max 5' (its own speculation)")
+    ap.add_argument("--llama-server-ctx", type=int, default=4096, help="--served: llama-server -c (default 4096)")
+    ap.add_argument("--out", default=None, help="keep every round's results and summary.json here")
     args, extra = ap.parse_known_args()  # unknown flags: specserve engine args (e.g. --quantization auto)
     if args.repeats < 3:
         ap.error("--repeats must be >= 3")
 
-    sys.path.insert(0, ROOT)
+    from specserve.config import SpecserveError
+    from specserve.cpu_isa import cpu_class
     from specserve.model.loader import default_model_path
-    from specserve.platform import available_cores, cpu_class, cpu_has_native_bf16
+    from specserve.platform import available_cores
 
     thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [available_cores()]
-    datasets = args.datasets.split(",")
     out = args.out or tempfile.mkdtemp(prefix="vs_llama_cpp-")
-    tok_s: dict[tuple[int, str, str], list[float]] = {}
-    info: dict[int, dict] = {}
-    for t in thread_counts:
-        for ds in datasets:
-            for r in range(args.repeats):
-                print(f"threads {t}, {ds}, round {r + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
-                doc = one_round(args, extra, t, ds, os.path.join(out, f"t{t}-{ds}-r{r}"))
-                for eng, v in figures(doc).items():
-                    tok_s.setdefault((t, ds, eng), []).append(v)
-                peer = doc["llama_cpp"]
-                info[t] = {"specserve_threads": peer.get("specserve_threads"), "llama_cpp_threads": peer["n_threads"],
-                           "llama_cpp_version": peer["llama_cpp_version"]}
-
-    print(f"\nmodel {args.model or default_model_path()}")
-    print(f"CPU: {cpu_class()}, "
-          f"{available_cores()} cores available")
-    for t, i in info.items():
-        print(f"threads {t}: specserve torch threads {i['specserve_threads']}, llama.cpp n_threads "
-              f"{i['llama_cpp_threads']} (llama-cpp-python {i['llama_cpp_version']})")
-    print(f"specserve on = {args.spec_args} {shlex.join(extra)}".rstrip())
-    print(f"batch 1, greedy, {args.num_prompts} prompts x {args.max_tokens} max tokens, median of {args.repeats} "
-          f"interleaved rounds\n")
-    rows, summary = [], []
-    for t in thread_counts:
-        for ds in datasets:
-            peer = statistics.median(tok_s[(t, ds, "llama.cpp")])
-            for eng in ENGINES:
-                med = statistics.median(tok_s[(t, ds, eng)])
-                rows.append([str(t), ds, eng, f"{med:.2f}", f"{med / peer:.3f}" if peer else "-"])
-                summary.append({"threads": t, "dataset": ds, "engine": eng, "tok_s_median": med,
-                                "vs_llama_cpp": med / peer if peer else None, "runs": tok_s[(t, ds, eng)]})
-    headers = ["threads", "workload", "engine", "tok/s (median)", "vs llama.cpp"]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    for line in [headers, *rows]:
-        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    os.makedirs(out, exist_ok=True)
+    print(f"model {args.model or default_model_path()}")
+    print(f"CPU: {cpu_class()}, {available_cores()} cores available")
+    try:
+        lcp.find_binary(lcp.BENCH, args.llama_cpp_dir)
+        if args.llama_cpp_only:
+            summary: dict = {"llama_bench": llama_cpp_only(args, thread_counts)}
+        elif args.served:
+            summary = served(args, extra, thread_counts, out)
+        else:
+            summary = offline(args, extra, thread_counts, out)
+    except SpecserveError as e:
+        sys.exit(f"vs_llama_cpp: {e}")
+    summary.update(cpu_class=cpu_class(), spec_args=args.spec_args, extra_args=extra)
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump({"cpu_native_bf16": cpu_has_native_bf16(), "threads": info, "rows": summary,
-                   "spec_args": args.spec_args, "extra_args": extra}, f, indent=1)
+        json.dump(summary, f, indent=1, default=str)
     print(f"\nper-round results: {out}", file=sys.stderr)
     return 0
 

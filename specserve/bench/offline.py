@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -25,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.bench import report
+from specserve.bench import llama_cpp_peer, report
 from specserve.datasets import Item, load_dataset
 from specserve.engine_args import engine_kwargs, model_arg
 from specserve.request import SpecStats
@@ -368,34 +369,7 @@ def run_hf_peer(model_path: str | None, spec_config: dict[str, Any], prompts: li
     return res
 
 
-# -- peer: llama.cpp (llama-cpp-python) on the same GGUF, in its own process ----------------------------------
-LLAMA_CPP_PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_peer.py")
-LLAMA_CPP_DEFAULT_PYTHON = "/tmp/llama-venv/bin/python"
-LLAMA_CPP_ENV = "SPECSERVE_LLAMA_CPP_PYTHON"
-
-
-def find_llama_cpp_python(explicit: str | None = None) -> str:
-    """The interpreter that runs the llama.cpp peer: ``--peer-python``, else ``$SPECSERVE_LLAMA_CPP_PYTHON``,
-    else this interpreter when it can import ``llama_cpp``, else /tmp/llama-venv/bin/python; never a dependency
-    of specserve itself."""
-    import importlib.util
-
-    from specserve.config import SpecserveError
-
-    for given, what in ((explicit, "--peer-python"), (os.environ.get(LLAMA_CPP_ENV), LLAMA_CPP_ENV)):
-        if given:
-            if not (os.path.isfile(given) and os.access(given, os.X_OK)):
-                raise SpecserveError(f"{what}={given} is not an executable Python interpreter")
-            return given
-    if importlib.util.find_spec("llama_cpp") is not None:
-        return sys.executable
-    if os.path.isfile(LLAMA_CPP_DEFAULT_PYTHON) and os.access(LLAMA_CPP_DEFAULT_PYTHON, os.X_OK):
-        return LLAMA_CPP_DEFAULT_PYTHON
-    raise SpecserveError(
-        f"--peer llama.cpp: no Python with llama_cpp found (--peer-python, ${LLAMA_CPP_ENV}, this interpreter, "
-        f"{LLAMA_CPP_DEFAULT_PYTHON}); build one with `benchmarks/build_llama_cpp.sh /tmp/llama-venv`")
-
-
+# -- peer: native llama.cpp (llama-bench, llama-server) on the same GGUF ----------------------------------------
 def llama_cpp_model_path(model: str | None) -> str:
     """The GGUF llama.cpp loads: specserve's own model file (the demo model by default)."""
     from specserve.model.loader import default_model_path
@@ -404,86 +378,6 @@ def llama_cpp_model_path(model: str | None) -> str:
     if not (gguf.endswith(".gguf") and os.path.isfile(gguf)):
         raise ValueError(f"--peer llama.cpp needs a .gguf model file, got {gguf}")
     return gguf
-
-
-def check_llama_cpp_python(python: str) -> str:
-    """Fail fast (before the specserve sweep) when ``python`` cannot import llama_cpp; returns its version."""
-    import subprocess
-
-    from specserve.config import SpecserveError
-
-    proc = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        raise SpecserveError(f"--peer llama.cpp: {python} cannot import llama_cpp ({last}); build a peer venv "
-                             f"with `benchmarks/build_llama_cpp.sh /tmp/llama-venv`")
-    return proc.stdout.strip()
-
-
-def call_llama_cpp_peer(python: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run ``llama_cpp_peer.py`` with ``python``: settings in a temporary JSON file, results read back."""
-    import json
-    import subprocess
-    import tempfile
-
-    from specserve.config import SpecserveError
-
-    with tempfile.TemporaryDirectory(prefix="specserve-llama-cpp-") as tmp:
-        src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
-        with open(src, "w", encoding="utf-8") as f:
-            json.dump(cfg, f)
-        proc = subprocess.run([python, LLAMA_CPP_PEER_SCRIPT, src, dst], capture_output=True, text=True)
-        res: dict[str, Any] = {}
-        if os.path.exists(dst):
-            with open(dst, encoding="utf-8") as f:
-                res = json.load(f)
-    if proc.returncode != 0 or "error" in res or "runs" not in res:
-        why = res.get("error") or (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        raise SpecserveError(f"llama.cpp peer ({python}) failed: {why}")
-    return res
-
-
-def run_llama_cpp_peer(python: str, model_path: str, prompts: list[list[int]], max_tokens: int, repeats: int,
-                       ignore_eos: bool, eos_ids, n_threads: int, reference: list[list[int]],
-                       batch1: dict[str, Any] | None) -> dict[str, Any]:
-    """llama.cpp at batch 1, greedy, the same prompt token ids, ``n_threads`` threads (prefill and decode);
-    tok/s = generated tokens / seconds over the run's prompts, prefill included (specserve's definition);
-    median over ``repeats``; ratios specserve / llama.cpp for the batch-1 off and on figures."""
-    cfg = {"model_path": model_path, "prompts": prompts, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
-           "eos_token_ids": sorted(eos_ids), "repeats": repeats, "n_threads": n_threads, "n_batch": 512}
-    raw = call_llama_cpp_peer(python, cfg)
-    peer_tps = raw["tok_s_median"]
-
-    def strip(t: list[int]) -> list[int]:
-        while t and t[-1] in eos_ids:
-            t = t[:-1]
-        return t
-
-    pairs = [(strip(a), strip(b)) for a, b in zip(raw["outputs"], reference, strict=True)]
-    agree = sum(a == b for a, b in pairs)
-    diverge_at = [None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                  for a, b in pairs]
-    notes = [
-        f"llama-cpp-python {raw['llama_cpp_version']} in its own process ({python}); n_threads = n_threads_batch "
-        f"= {raw['n_threads']}, n_batch 512, batch 1, greedy (temp 0, top_k 1), the same prompt token ids.",
-        "tok/s = generated tokens / wall seconds over all prompts of a run (prefill included, KV emptied before "
-        "every prompt), as specserve's tok/s; median over repeats; run after specserve's sweep.",
-        "same tokens: llama.cpp output equals specserve's greedy output without speculation (trailing EOS "
-        "ignored); llama.cpp computes with the GGUF's own weight types, so near-ties can differ.",
-    ]
-    res: dict[str, Any] = {"name": "llama.cpp", "tok_s": peer_tps, "python": python,
-                           "llama_cpp_version": raw["llama_cpp_version"], "n_threads": raw["n_threads"],
-                           "n_ctx": raw["n_ctx"], "raw": {k: v for k, v in raw.items() if k != "outputs"},
-                           "modes": {}, "notes": notes}
-    if batch1:
-        for side in ("off", "on"):
-            tps = batch1[f"{side}_tok_s"]
-            res[f"{side}_vs_peer"] = tps / peer_tps if tps and peer_tps else None
-            res["modes"][f"specserve {side} (batch 1)"] = {"tok_s": tps, "agree": None, "num_prompts": len(prompts)}
-    res["modes"]["llama.cpp"] = {"tok_s": peer_tps, "agree": agree, "num_prompts": len(prompts),
-                                 "diverge_at": diverge_at, "runs_tok_s": [r["tok_s"] for r in raw["runs"]]}
-    return res
 
 
 # -- prompts --------------------------------------------------------------------------------------------------
@@ -544,12 +438,21 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens tokens")
     p.add_argument("--peer", choices=["hf", "llama.cpp"], action="append", default=None,
                    help="also run a peer at batch 1 on the same prompt ids (repeatable): hf = HF transformers "
-                        "generate in this process; llama.cpp = llama-cpp-python on the same GGUF, own process")
-    p.add_argument("--peer-python", default=None,
-                   help=f"llama.cpp: interpreter with llama_cpp (default: ${LLAMA_CPP_ENV}, this one if it has "
-                        f"llama_cpp, else {LLAMA_CPP_DEFAULT_PYTHON})")
+                        "generate in this process; llama.cpp = native llama.cpp on the same GGUF: llama-bench "
+                        "tg/pp rates, then the same prompts through llama-server")
+    p.add_argument("--llama-cpp-dir", default=None,
+                   help=f"llama.cpp: folder with llama-bench and llama-server (default: ${llama_cpp_peer.DIR_ENV}, "
+                        f"else {llama_cpp_peer.DEFAULT_DIR}; built by benchmarks/build_llama_cpp.sh)")
     p.add_argument("--peer-threads", type=int, default=None,
-                   help="llama.cpp: n_threads (default: specserve's torch.get_num_threads())")
+                   help="llama.cpp: -t threads (default: specserve's torch.get_num_threads())")
+    p.add_argument("--peer-tg", type=int, default=128, help="llama.cpp: llama-bench tg length (default 128)")
+    p.add_argument("--peer-pp", type=int, default=None,
+                   help="llama.cpp: llama-bench pp length (default: the median prompt length; 0 skips pp)")
+    p.add_argument("--peer-no-server", action="store_true",
+                   help="llama.cpp: llama-bench only, skip the same-prompts run through llama-server")
+    p.add_argument("--peer-server-args", default="",
+                   help="llama.cpp: extra llama-server flags, e.g. '-md DRAFT.gguf --spec-type draft-simple "
+                        "--draft-max 5' for its own speculation")
     p.add_argument("--out", default=None, help="write results.json, report.md and PNG plots here")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_offline)
@@ -578,8 +481,9 @@ def cmd_offline(args: argparse.Namespace) -> int:
     peers = args.peer or []
     if "llama.cpp" in peers:  # fail fast, before the sweep
         gguf = llama_cpp_model_path(model)
-        peer_python = find_llama_cpp_python(args.peer_python)
-        check_llama_cpp_python(peer_python)
+        llama_cpp_peer.find_binary(llama_cpp_peer.BENCH, args.llama_cpp_dir)
+        if not args.peer_no_server:
+            llama_cpp_peer.find_binary(llama_cpp_peer.SERVER, args.llama_cpp_dir)
     llm = build_llm(model, engine_kwargs(args))
     selected = select_prompts(llm.tokenizer, items, args.num_prompts, llm.engine.max_model_len, args.max_tokens)
     prompts = [ids for ids, _ in selected]
@@ -609,10 +513,13 @@ def cmd_offline(args: argparse.Namespace) -> int:
         import torch
 
         threads = args.peer_threads or torch.get_num_threads()
-        doc["llama_cpp"] = run_llama_cpp_peer(peer_python, gguf, prompts, args.max_tokens, args.repeats,
-                                              args.ignore_eos, llm.engine.eos_token_ids, threads, ref, b1)
+        doc["llama_cpp"] = llama_cpp_peer.offline_peer(
+            gguf, prompts, args.max_tokens, args.repeats, args.ignore_eos, llm.engine.eos_token_ids, threads, ref,
+            b1, llama_dir=args.llama_cpp_dir, n_gen=args.peer_tg, n_prompt=args.peer_pp,
+            server=not args.peer_no_server, server_args=shlex.split(args.peer_server_args))
         doc["llama_cpp"]["specserve_threads"] = torch.get_num_threads()
-        print(f"llama.cpp peer: llama-cpp-python {doc['llama_cpp']['llama_cpp_version']}, n_threads {threads} "
+        peer = doc["llama_cpp"]
+        print(f"llama.cpp peer: native build {peer['build_number']} ({peer['llama_cpp_dir']}), -t {threads} "
               f"(specserve torch threads {torch.get_num_threads()}), batch 1, median of {args.repeats}")
     print(report.offline_table(batches, peer=doc.get("llama_cpp")))
     print(report.sources_lines(batches))

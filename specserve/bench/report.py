@@ -152,9 +152,10 @@ OFFLINE_LEGEND = """\
   k T_draft(B)), with the controller's fitted T_target. **eff** = ratio / ideal. ideal and model describe a
   drafting pass: with "drafted" well below 100% the engine mostly decoded without drafts, and eff can exceed 1.
 - **mismatch**: requests whose greedy output with speculation differs from the output without it.
-- with `--peer llama.cpp`: **llama.cpp tok/s** (batch 1, same prompt ids, greedy, same thread count, tok/s
-  defined as above, median over repeats) and **off/llama.cpp**, **on/llama.cpp** = specserve batch-1 tok/s
-  over it (> 1: specserve is faster).
+- with `--peer llama.cpp`: **llama.cpp tg128 tok/s** = native `llama-bench` decode rate (same GGUF, same
+  thread count, median of its samples; no prefill in it) and **off/…**, **on/…** = specserve batch-1 tok/s
+  (prefill included) over it (> 1: specserve is faster). The peer table adds llama-bench pp and the same
+  prompts through `llama-server` (tok/s defined as above, greedy, one request at a time).
 """
 
 
@@ -229,7 +230,7 @@ def offline_markdown(doc: dict[str, Any], plots: list[str]) -> str:
         lines += [f"- {n}" for n in p.get("notes", [])]
     if doc.get("llama_cpp"):
         p = doc["llama_cpp"]
-        lines += ["", "## Peer: llama.cpp (llama-cpp-python, same GGUF, batch 1, greedy, same prompt ids)", "",
+        lines += ["", "## Peer: native llama.cpp (llama-bench, llama-server; same GGUF, batch 1, greedy)", "",
                   table(peer_rows(p), ["engine", "tok/s", "same tokens as specserve (off)"], markdown=True), ""]
         lines += [f"- {n}" for n in p.get("notes", [])]
     lines += [""] + [f"![{os.path.splitext(os.path.basename(p))[0]}]({os.path.basename(p)})" for p in plots]
