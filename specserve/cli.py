@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.platform import DEVICE_CHOICES
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL")
+    s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="HF dir, .gguf file, or hub id (org/name, org/name:QUANT, org/name/file.gguf); "
+                        "default: the embedded demo model")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

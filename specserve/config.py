@@ -7,6 +7,10 @@ import os
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any
 
+from specserve.errors import CheckpointError as CheckpointError  # re-exported: the usual import
+from specserve.errors import SpecserveError as SpecserveError
+from specserve.hub import resolve_model
+
 
 def flag(help: str, *, kw: str | None = None, cli: str | None = None, short: str | None = None,
          choices: tuple[str, ...] | str | None = None, negative: str | None = None, positive: bool = True,
@@ -22,14 +26,6 @@ def flag(help: str, *, kw: str | None = None, cli: str | None = None, short: str
 def flag_keyword(f: Field[Any]) -> str:
     """The ``LLM(**kwargs)`` / ``EngineConfig.from_kwargs`` keyword of a flagged config field."""
     return f.metadata["flag"]["kw"] or f.name
-
-
-class SpecserveError(Exception):
-    """A user-facing error: the CLI prints its message without a traceback."""
-
-
-class CheckpointError(SpecserveError):
-    """A checkpoint could not be read (names the file and the problem)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +104,10 @@ KV_CACHE_DTYPES = DTYPES
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # path to an HF dir or a .gguf file; None = embedded demo model
+    # What the user named (a hub id resolves to a local ``model`` in ``from_kwargs``): the served model's name.
+    model_id: str | None = None
+    revision: str | None = field(default=None, metadata=flag(
+        "hub models: the branch, tag or commit to load (default: main)"))
     dtype: str = field(default="auto", metadata=flag(
         "compute dtype: auto = bf16 on GPUs and CPUs with bf16 hardware, fp32 elsewhere", choices=DTYPES))
     device: str = field(default="auto", metadata=flag("where to run",
@@ -208,8 +208,11 @@ class SpeculativeConfig:
     method: str | None = field(default=None, metadata=flag(  # None = speculation off
         "proposer (draft, or eagle for a head dir, is implied by --speculative-model)", kw="speculative_method",
         choices=SPEC_METHODS))
-    model: str | None = field(default=None, metadata=flag("draft checkpoint (HF dir or .gguf)",
-                                                           kw="speculative_model"))
+    model: str | None = field(default=None, metadata=flag(
+        "draft checkpoint: HF dir, .gguf file or hub id (org/name, org/name:QUANT, org/name/file.gguf)",
+        kw="speculative_model"))
+    revision: str | None = field(default=None, metadata=flag(
+        "a hub draft model's branch, tag or commit (default: main)", kw="speculative_model_revision"))
     num_speculative_tokens: int = field(default=0, metadata=flag(
         "k: drafts per step (the most; the controller may use fewer); default 5 for ngram, 4 otherwise"))
     # None: 1 for ngram, LOOKUP_FIRST_MIN_N with prompt_lookup_first
@@ -316,6 +319,7 @@ class SpeculativeConfig:
         speculative_eagle_topk: int | None = None,
         speculative_num_draft_tokens: int | None = None,
         prompt_lookup_source: str | None = None,
+        speculative_model_revision: str | None = None,
     ) -> SpeculativeConfig:
         """Merge vLLM V0-style flags and a V1-style ``--speculative-config`` JSON into one config."""
         cfg: dict[str, Any] = {}
@@ -340,6 +344,8 @@ class SpeculativeConfig:
             method, model = "ngram", None
         if model == "[ngram]":
             method, model = "ngram", None
+        revision = speculative_model_revision or cfg.get("revision")
+        model = resolve_model(model, revision)  # a hub id -> its local snapshot or file
         if method is None and model:
             method = "eagle" if is_eagle_dir(model) else "draft"
         if method is None:
@@ -351,6 +357,7 @@ class SpeculativeConfig:
         return SpeculativeConfig(
             method=method,
             model=model,
+            revision=revision,
             num_speculative_tokens=int(k),
             prompt_lookup_min=None if lookup_min is None else int(lookup_min),
             prompt_lookup_max=int(lookup_max),
@@ -405,7 +412,9 @@ class EngineConfig:
             picked = {f.name: kw.pop(f.name) for f in fields(cls) if f.name in kw}
             return {n: v for n, v in picked.items() if v is not None}
 
-        model_cfg = ModelConfig(model=model, **take(ModelConfig))
+        model_kw = take(ModelConfig)
+        # NOTE: hub ids become local paths here (and in SpeculativeConfig.from_args); model_id keeps the spelling.
+        model_cfg = ModelConfig(model=resolve_model(model, model_kw.get("revision")), model_id=model, **model_kw)
         cache_kw, sched_kw, par_kw = take(CacheConfig), take(SchedulerConfig), take(ParallelConfig)
         spec_kws = [flag_keyword(f) for f in fields(SpeculativeConfig) if "flag" in f.metadata]
         spec_kw = {k: v for k in [*spec_kws, "speculative_config"] if (v := kw.pop(k, None)) is not None}

@@ -65,7 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     groups = {"engine": p.add_argument_group("engine"),
               "speculative decoding": p.add_argument_group("speculative decoding")}
     groups["engine"].add_argument("--model", dest="model_flag", default=None,
-                                  help="HF dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                                  help="HF dir, .gguf file, or Hugging Face hub id: org/name, org/name:QUANT "
+                                       "(a GGUF repo's file with that tag), org/name/file.gguf (default: the "
+                                       "embedded SmolLM2-135M-Instruct)")
     for fl in engine_flags():
         g = groups[fl.group]
         if fl.kind is bool:

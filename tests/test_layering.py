@@ -14,6 +14,8 @@ ROOT = pathlib.Path(specserve.__file__).parent
 
 # Lower layers never import higher ones; units of one layer do not import each other.
 LAYERS = [
+    {"errors"},
+    {"hub"},
     {"config", "sampling_params", "datasets", "cpu_isa"},
     {"platform", "request", "outputs"},
     {"model", "kv", "sample", "engine_args"},

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from specserve.config import CheckpointError, ModelArch
+from specserve.hub import cached_repo_of
 from specserve.model.families import ConfigView, family, gguf_family, hf_family
 from specserve.model.gguf_file import GGUFArray, GGUFFile, parse_gguf, read_gguf_experts, read_gguf_tensor
 from specserve.model.quant import QuantizedTensor
@@ -68,7 +69,7 @@ def load_checkpoint(path: str | None, keep_quantized: bool = False) -> Checkpoin
         state_dict = _validate(_read_hf_tensors(path), arch, path)
         if (convert := family(arch.architecture).hf_weights) is not None:
             convert(state_dict, arch)
-        name = os.path.basename(os.path.normpath(path))
+        name = cached_repo_of(path) or os.path.basename(os.path.normpath(path))  # not a snapshot's commit hash
         return Checkpoint(path, arch, state_dict, "hf", name)
 
 
