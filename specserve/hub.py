@@ -67,6 +67,8 @@ def resolve_model(spec: str | None, revision: str | None = None) -> str | None:
     naming paths of another machine can still be built."""
     hub = None if spec is None or os.path.exists(os.path.expanduser(spec)) else parse_hub_id(spec)
     if spec is None or hub is None:
+        if revision and spec is not None:
+            logger.warning("%s is a local path: revision %s is ignored", spec, revision)
         return spec
     try:
         path = _fetch(hub, revision)

@@ -37,10 +37,14 @@ def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
 
-    def no_network(*args, **kwargs):
-        raise AssertionError("a test tried to reach the network")
+    connect = socket.socket.connect
 
-    monkeypatch.setattr(socket.socket, "connect", no_network)
+    def loopback_only(self, address):  # the served-model test talks to its own server
+        if isinstance(address, tuple) and address[0] not in ("127.0.0.1", "::1", "localhost"):
+            raise AssertionError(f"a test tried to reach the network: {address}")
+        return connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", loopback_only)
     return root
 
 
@@ -101,6 +105,24 @@ def test_hub_id_loads_and_generates_like_the_local_path(cache, tiny):
         assert default_served_name(llm.engine) == "org/tiny"  # the user's id, as vLLM serves it
         assert llm.engine.model_name == "org/tiny"  # not the snapshot's commit hash
         assert greedy(llm) == want
+
+
+def test_serve_a_hub_id(cache, tiny, start_server):
+    """`specserve serve org/name` as the server sees it: the model is served under the id as typed."""
+    import httpx
+
+    from specserve.server.api import create_app
+
+    add_repo(cache, "org/tiny", dir_files(tiny))
+    srv = start_server(create_app(EngineConfig.from_kwargs("org/tiny", **ENGINE)))
+    try:
+        with httpx.Client(base_url=srv.url, trust_env=False, timeout=60) as http:
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["org/tiny"]
+            r = http.post("/v1/completions", json={"model": "org/tiny", "prompt": "hello", "max_tokens": 4,
+                                                   "temperature": 0})
+            assert r.status_code == 200 and r.json()["model"] == "org/tiny"
+    finally:
+        srv.stop()
 
 
 def test_a_local_path_wins_over_a_hub_id(cache, tiny, tmp_path, monkeypatch):
