@@ -58,9 +58,11 @@ class Tokenizer:
                                         clean_up_tokenization_spaces=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation in the checkpoint's chat format ("role: content" lines without one);
-        ``tools`` (OpenAI tool dicts) go to the template's ``tools`` variable."""
+        ``tools`` (OpenAI tool dicts) go to the template's ``tools`` variable, ``template_kwargs`` (vLLM's
+        ``chat_template_kwargs``, e.g. ``enable_thinking``) are further template variables."""
         messages = [{**m, "content": _text_of(m.get("content"))} for m in messages]
         if not getattr(self.hf_tokenizer, "chat_template", None):
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -68,7 +70,7 @@ class Tokenizer:
         try:
             # Render to text, then encode: the template already spells out bos and the turn markers.
             text = self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                         tokenize=False, tools=tools)
+                                                         tokenize=False, tools=tools, **(template_kwargs or {}))
         except Exception as e:  # jinja2 errors, raise_exception() in templates ("roles must alternate")
             raise ValueError(f"chat template error: {e}") from e
         return self.encode(text, add_special_tokens=False)
@@ -82,11 +84,12 @@ class Tokenizer:
 
 
 def _text_of(content: Any) -> str:
-    """OpenAI message content: a string, None, or a list of {"type": "text", "text": ...} parts."""
+    """OpenAI message content: a string, None, or a list of {"type": "text", "text": ...} parts (joined with
+    newlines, as vLLM joins them)."""
     if content is None:
         return ""
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
     return str(content)
 
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import json
 
+import httpx
+import jsonschema
 import openai
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+slow = pytest.mark.slow
+pytestmark = [pytest.mark.timeout(300)]
 
 MODEL = "SmolLM2-135M-Instruct"
 GET_WEATHER = {"type": "function", "function": {
@@ -34,6 +39,7 @@ def _streamed_chat(client: openai.OpenAI, **kw) -> tuple[str | None, list[tuple[
     return content or None, [tuple(c) for c in calls.values()], finish
 
 
+@slow
 @pytest.mark.parametrize("max_tokens", [34, None])
 def test_required_tool_calls_survive_the_token_limit(client, max_tokens):
     """The issue's example: cut by max_tokens 34, the complete get_weather call comes back in tool_calls (the
@@ -53,3 +59,119 @@ def test_required_tool_calls_survive_the_token_limit(client, max_tokens):
         assert r.usage.completion_tokens < 120  # ended by the repeat, not by the default limit
     content, streamed, streamed_finish = _streamed_chat(client, **kw)
     assert content is None and streamed == calls and streamed_finish == finish
+
+
+# -- fields of OpenAI's and vLLM's schemas --------------------------------------------------------------------
+def test_every_field_of_openais_schemas_is_a_field():
+    """Every parameter the openai client can send to chat / completions is a request field (accepted,
+    honoured or ignored), so that none of them is a 400 "Unrecognized request argument"."""
+    from openai.types import completion_create_params as legacy
+    from openai.types.chat import completion_create_params as chat
+
+    assert set(chat.CompletionCreateParamsBase.__annotations__) <= set(ChatCompletionRequest.model_fields)
+    assert set(legacy.CompletionCreateParamsBase.__annotations__) <= set(CompletionRequest.model_fields)
+
+
+def test_legacy_functions_developer_role_and_parts():
+    body = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}],
+        functions=[GET_WEATHER["function"]], function_call={"name": "get_weather"})
+    assert body.tools == [GET_WEATHER] and body.tool_choice == {"type": "function",
+                                                                  "function": {"name": "get_weather"}}
+    assert [m.template_dict() for m in body.messages] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say\nhi"},
+        {"role": "assistant", "content": "No."}]
+    for bad, match in [({"functions": [GET_WEATHER["function"]], "tools": [GET_WEATHER]}, "not both"),
+                       ({"modalities": ["text", "audio"]}, "only 'text'"),
+                       ({"web_search_options": {}}, "hosted tool"),
+                       ({"chat_template_kwargs": {"messages": []}}, "set by the server"),
+                       ({"metadata": {str(i): "x" for i in range(17)}}, "at most 16"),
+                       ({"bogus": 1}, "Extra inputs")]:
+        with pytest.raises(ValueError, match=match):
+            ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **bad)
+
+
+def test_template_kwargs_reach_the_chat_template(demo_tokenizer):
+    hf = demo_tokenizer.hf_tokenizer
+    saved = hf.chat_template
+    hf.chat_template = ("{{ reasoning_effort | default('none') }}/{{ enable_thinking | default('unset') }}:"
+                        "{% for m in messages %}{{ m.content }}{% endfor %}")
+    try:
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], reasoning_effort="low",
+                                     chat_template_kwargs={"enable_thinking": False})
+        ids = demo_tokenizer.apply_chat_template([m.template_dict() for m in body.messages],
+                                                 template_kwargs=body.template_kwargs())
+        assert demo_tokenizer.decode(ids) == "low/False:x"
+    finally:
+        hf.chat_template = saved
+
+
+@slow
+def test_openai_and_vllm_fields_are_accepted(server, client):
+    """Every field of issue 44's list in one request: 200, metadata echoed; ``developer`` costs what
+    ``system`` costs (the template's default system prompt is not added)."""
+    extra = {"chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True,
+             "prompt_cache_key": "k", "safety_identifier": "u1", "verbosity": "low",
+             "prediction": {"type": "content", "content": "Hello"}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "developer", "content": "Answer in one word."},
+                               {"role": "user", "content": "Say hi"}],
+        max_tokens=4, temperature=0, store=False, metadata={"run": "44"}, service_tier="auto",
+        reasoning_effort="low", modalities=["text"], user="me", extra_body=extra)
+    assert r.choices[0].message.content is not None
+    assert r.metadata == {"run": "44"}
+    as_system = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Answer in one word."},
+                               {"role": "user", "content": "Say hi"}], max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == as_system.usage.prompt_tokens
+    assert r.choices[0].message.content == as_system.choices[0].message.content
+    legacy = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                       extra_body={"store": True, "metadata": {"a": "b"}})
+    assert legacy.model_extra["metadata"] == {"a": "b"}
+    parts = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}]}).json()["tokens"]
+    joined = httpx.post(f"{server.url}/tokenize", json={"messages": [
+        {"role": "user", "content": "Say\nhi"}]}).json()["tokens"]
+    assert parts == joined
+
+
+@slow
+def test_deprecated_functions_are_tools(client):
+    r = client.chat.completions.create(model=MODEL, messages=PARIS, functions=[GET_WEATHER["function"]],
+                                       function_call={"name": "get_weather"}, max_tokens=40, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+
+
+@slow
+def test_unsupported_outputs_are_400s(client):
+    with pytest.raises(openai.BadRequestError, match="only 'text'"):
+        client.chat.completions.create(model=MODEL, messages=PARIS, modalities=["text", "audio"])
+    with pytest.raises(openai.BadRequestError, match="hosted tool"):
+        client.chat.completions.create(model=MODEL, messages=PARIS, web_search_options={})
+
+
+WEATHER_REPORT = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "sunny": {"type": "boolean"}},
+                  "required": ["city", "sunny"], "additionalProperties": False}
+
+
+@slow
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_tools_with_response_format(client, tool_choice):
+    """OpenAI allows both: with ``auto`` the output is a tool call or the format's object (the union of both
+    grammars), with ``required`` a tool call (the format shapes a later text answer)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "report", "schema": WEATHER_REPORT, "strict": True}}
+    for question in ("What is the weather in Paris?", "Report: Paris is sunny today."):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                           tools=[GET_WEATHER], tool_choice=tool_choice, response_format=fmt,
+                                           max_tokens=60, temperature=0)
+        msg = r.choices[0].message
+        if msg.tool_calls:
+            assert msg.tool_calls[0].function.name == "get_weather"
+            json.loads(msg.tool_calls[0].function.arguments)
+        else:
+            assert tool_choice == "auto"
+            jsonschema.validate(json.loads(msg.content), WEATHER_REPORT)

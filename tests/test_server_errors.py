@@ -186,7 +186,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 CASES = [
     ("unknown param", "/v1/completions", {"prompt": "hi", "foo": 1}, "foo", "foo"),
     ("unknown chat param", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions", "functions"),
+     {"messages": [{"role": "user", "content": "hi"}], "frobnicate": []}, "frobnicate", "frobnicate"),
     ("temperature -1", "/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature", "non-negative"),
     ("top_p 2", "/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p", "top_p"),
     ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),

@@ -107,6 +107,25 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {_NAMES[kind]}: {_compiler_message(e)}") from None
 
 
+def json_union_ebnf(alternatives: list[tuple[str, dict[str, Any], str]]) -> str:
+    """EBNF (xgrammar's dialect) for one of several JSON schemas, each between a literal prefix and suffix:
+    ``(prefix, schema, suffix)`` per alternative. The server's grammar for "a tool call or the
+    ``response_format`` object" (``server/tools.py``); compiled like any ``structured_outputs.grammar``."""
+    xgr = _xgr()
+    grammars = []
+    try:
+        for prefix, schema, suffix in alternatives:
+            parts = [xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)]
+            if prefix:
+                parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"))
+            if suffix:
+                parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}"))
+            grammars.append(parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts))
+        return str(grammars[0] if len(grammars) == 1 else xgr.Grammar.union(*grammars))
+    except Exception as e:
+        raise GrammarError(f"invalid JSON schema: {_compiler_message(e)}") from None
+
+
 _NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",
           "grammar": "EBNF grammar"}
 

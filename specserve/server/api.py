@@ -283,6 +283,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         try:
             state.check_model(body.model)
+            if ignored := body.ignored_fields():
+                log.debug("completion: ignoring %s (no meaning on this server)", ", ".join(ignored))
             prompt_only = bool(body.echo) and body.max_tokens == 0  # the prompt's logprobs, nothing generated
             params = body.sampling_params(1 if prompt_only else body.max_tokens, body.logprobs)
             rid = f"cmpl-{uuid.uuid4().hex}"
@@ -292,6 +294,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         run = Run(state, rid, streams, params, body.include_usage)
         run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         run.echo, run.prompt_field, run.prompt_only = bool(body.echo), body.prompt_logprobs is not None, prompt_only
+        run.metadata = body.metadata
         if body.stream:
             return sse_response(events(run, completion_chunks(run), "text_completion"))
         try:
@@ -305,23 +308,24 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         try:
             state.check_model(body.model)
             plan = tool_plan(body, state.tool_parser)
+            if ignored := body.ignored_fields():
+                log.debug("chat completion: ignoring %s (no meaning on this server)", ", ".join(ignored))
             messages = with_tools(state.chat_template, [m.template_dict() for m in body.messages], plan)
-            ids = state.tokenizer.apply_chat_template(messages, tools=plan.template_tools)
+            ids = state.tokenizer.apply_chat_template(messages, body.add_generation_prompt, plan.template_tools,
+                                                      body.template_kwargs())
             state.check_prompt_tokens(len(ids), "messages")
             max_tokens = body.resolve_max_tokens(len(ids), state.max_model_len)
             params = body.sampling_params(max_tokens, body.num_logprobs())
-            tool_constraint = plan.constraint()
-            if tool_constraint is not None:
-                if params.structured_outputs is not None:
-                    raise APIError(400, f"tool_choice {plan.mode!r} and {body.constraint_param()} both constrain "
-                                        f"the output; give one", param="tool_choice")
-                params = dataclasses.replace(params, structured_outputs=tool_constraint)
+            constraint = plan.constraint(params.structured_outputs, body.constraint_param() == "response_format")
+            if constraint is not params.structured_outputs:
+                params = dataclasses.replace(params, structured_outputs=constraint)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             streams = await start(state, rid, [ids], params, body.speculative is not False)
         except Exception as e:
             return as_api_error(e, chat_fields, body.constraint_param() or "tools").response()
         run = Run(state, rid, streams, params, body.include_usage)
         run.tool_plan = plan
+        run.metadata = body.metadata
         if plan.active and plan.mode in ("auto", "required"):
             run.cut = plan.repeat_cut
         run.prompt_field = body.prompt_logprobs is not None  # non-streamed responses carry them

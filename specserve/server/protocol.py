@@ -77,6 +77,13 @@ class StreamOptions(BaseModel):
     include_spec_info: bool = False  # ours: per-token spec_tokens / spec_accepted in chunks (server/webui.py)
 
 
+# OpenAI fields accepted and ignored: hints to OpenAI's own infrastructure (storage, tiers, caches, safety
+# tracking, predicted outputs, verbosity of reasoning models), meaningless for one local model.
+IGNORED_FIELDS = frozenset({"store", "service_tier", "prompt_cache_key", "prompt_cache_options",
+                            "prompt_cache_retention", "safety_identifier", "verbosity", "prediction",
+                            "moderation", "audio"})
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -109,6 +116,24 @@ class _SamplingRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs (completions: per choice; chat: in the body)
+    # OpenAI's: ``metadata`` is echoed in the response; the others change nothing here (logged at debug level).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
+            raise ValueError("at most 16 pairs, keys up to 64 characters, values up to 512")
+        return v
+
+    def ignored_fields(self) -> list[str]:
+        """The fields given that change nothing on this server (for a debug log line)."""
+        return sorted(name for name in IGNORED_FIELDS & self.model_fields_set
+                      if getattr(self, name) not in (None, False, [], {}))
 
     def constraint_param(self) -> str | None:
         """The request field a structured-output constraint came from (None when there is none or several)."""
@@ -219,11 +244,12 @@ class ContentPart(BaseModel):
 
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant turn's "refusal" part
 
     @field_validator("type")
     @classmethod
     def _text_only(cls, v: str) -> str:
-        if v != "text":
+        if v not in ("text", "refusal"):
             raise ValueError(f"only text content parts are supported, got type {v!r}")
         return v
 
@@ -240,10 +266,13 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool result: the call it answers
 
     def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: ``developer`` (OpenAI's newer name) is ``system``, and text
+        parts are joined with newlines (as vLLM joins them)."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(p.text or "" for p in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+            content = "\n".join(p.text or p.refusal or "" for p in content)
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name:
             out["name"] = self.name
         if self.tool_call_id:
@@ -289,6 +318,12 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+# Variables a chat template gets from the server, which ``chat_template_kwargs`` may not replace.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "tokenize",
+                                      "return_dict", "chat_template", "add_generation_prompt",
+                                      "continue_final_message"})
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
@@ -298,6 +333,51 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # The chat template's own variables: ``reasoning_effort`` (OpenAI) and vLLM's ``chat_template_kwargs``
+    # (e.g. Qwen3's ``enable_thinking``) reach it as keyword arguments; vLLM's ``add_generation_prompt``.
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    # OpenAI's deprecated function calling, read as tools / tool_choice.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # OpenAI's, ignored (IGNORED_FIELDS) or refused where they ask for what a text model cannot do.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: str | None = None
+
+    @model_validator(mode="after")
+    def _legacy_and_unsupported(self) -> ChatCompletionRequest:
+        if self.functions is not None:
+            if self.tools is not None:
+                raise ValueError("functions: give tools or the deprecated functions, not both")
+            self.tools = [{"type": "function", "function": f} for f in self.functions]
+        if self.function_call is not None:
+            if self.tool_choice is not None:
+                raise ValueError("function_call: give tool_choice or the deprecated function_call, not both")
+            fc = self.function_call
+            self.tool_choice = {"type": "function", "function": fc} if isinstance(fc, dict) else fc
+        if self.modalities and set(self.modalities) - {"text"}:
+            raise ValueError(f"modalities: only 'text' output is supported, got {self.modalities}")
+        if self.web_search_options is not None:
+            raise ValueError("web_search_options: web search is a hosted tool, which this server does not have")
+        if self.chat_template_kwargs:
+            reserved = sorted(set(self.chat_template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+            if reserved:
+                raise ValueError(f"chat_template_kwargs: {reserved[0]!r} is set by the server")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra variables for the chat template (``chat_template_kwargs``, then ``reasoning_effort``)."""
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+        return out
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

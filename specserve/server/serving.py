@@ -115,6 +115,7 @@ class Run:
         # choice finishes with "stop" there, and the engine request is aborted once every choice has ended.
         self.cut: Callable[[str], int | None] | None = None
         self._cuts: dict[tuple[int, int], CompletionOutput] = {}
+        self.metadata: dict[str, str] | None = None  # OpenAI's request metadata, echoed in the response body
         # completions: ``echo`` (the prompt before each choice's text) and vLLM's ``prompt_logprobs`` field;
         # ``prompt_only``: ``echo`` with ``max_tokens`` 0 (the engine samples one token, which is not shown)
         self.echo = False
@@ -328,7 +329,8 @@ def _tool_deltas(plan: ToolPlan, comp: CompletionOutput, released: int, sent: di
 def completion_response(run: Run) -> dict[str, Any]:
     decode = run.decode if run.params.logprobs is not None else None
     echoes = [run.echo_of(o) for o in run.final for _ in range(run.params.n)]
-    return proto.completion_response(run.id, run.created, run.model, run.choices(), run.usage(), decode, echoes)
+    body = proto.completion_response(run.id, run.created, run.model, run.choices(), run.usage(), decode, echoes)
+    return body if run.metadata is None else {**body, "metadata": run.metadata}
 
 
 def chat_response(run: Run) -> dict[str, Any]:
@@ -339,5 +341,6 @@ def chat_response(run: Run) -> dict[str, Any]:
         def parse(text: str, truncated: bool) -> tuple[str | None, list[dict[str, Any]]]:
             content, calls = plan.parse(text, truncated)
             return content, [c.as_dict() for c in calls]
-    return proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode, parse,
+    body = proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode, parse,
                                run.echo_of(run.final[0]) if run.final else None)
+    return body if run.metadata is None else {**body, "metadata": run.metadata}

@@ -29,9 +29,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.sample.grammar import json_union_ebnf
 from specserve.sampling_params import StructuredOutputsParams
 from specserve.server.errors import APIError
 from specserve.server.tool_parsers import (
+    _HERMES_CLOSE,
     _HERMES_OPEN,
     _PYTHON_TAG,
     PARSERS,
@@ -71,19 +73,33 @@ class ToolPlan:
     def template_tools(self) -> list[dict[str, Any]] | None:
         return self.tools if self.active else None
 
-    def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar a ``required`` or named tool choice puts on the output."""
+    def constraint(self, fmt: StructuredOutputsParams | None = None, union: bool = False
+                   ) -> StructuredOutputsParams | None:
+        """The grammar on the output, given the request's own constraint ``fmt``: a ``required`` or named
+        choice forces calls (a ``response_format`` shapes text answers, and there is none in this turn);
+        ``auto`` with a JSON ``response_format`` (``union``) allows one tool call or the format's object, as
+        OpenAI allows tools with ``response_format``; otherwise ``fmt`` alone (e.g. vLLM's
+        ``structured_outputs``, which spell out the whole output)."""
         if self.mode == "named":
             return StructuredOutputsParams(json=self._parameters(self.named or ""))
-        if self.mode != "required":
-            return None
-        calls = [{"type": "object", "properties": {"name": {"const": f["function"]["name"]},
-                                                   "parameters": self._parameters(f["function"]["name"])},
-                  "required": ["name", "parameters"], "additionalProperties": False} for f in self.tools]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        if self.mode == "required":
+            calls = [self._call_schema(f["function"]["name"], "parameters") for f in self.tools]
+            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return StructuredOutputsParams(json=schema)
+        if fmt is None or not self.active or not union or fmt.kind not in ("json", "json_object"):
+            return fmt
+        answer = {"type": "object"} if fmt.json_object else \
+            (json.loads(fmt.json) if isinstance(fmt.json, str) else fmt.json)
+        key = "arguments" if self.parser == "hermes" else "parameters"
+        call = {"anyOf": [self._call_schema(f["function"]["name"], key) for f in self.tools]}
+        prefix, suffix = (f"{_HERMES_OPEN}\n", f"\n{_HERMES_CLOSE}") if self.parser == "hermes" else ("", "")
+        return StructuredOutputsParams(grammar=json_union_ebnf([(prefix, call, suffix), ("", answer or {}, "")]))
+
+    def _call_schema(self, name: str, key: str) -> dict[str, Any]:
+        return {"type": "object", "properties": {"name": {"const": name}, key: self._parameters(name)},
+                "required": ["name", key], "additionalProperties": False}
 
     def _parameters(self, name: str) -> dict[str, Any]:
         fn = next(t["function"] for t in self.tools if t["function"]["name"] == name)
