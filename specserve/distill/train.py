@@ -201,7 +201,7 @@ class DraftModelTask:
         self.model = LlamaModel(target.arch.with_layers(num_layers), torch.float32, target.device, target.backend,
                                 target.arch.max_position_embeddings + 64)
         with torch.no_grad():
-            self.model.embed.copy_(target.embed)
+            self.model.embed.copy_(target.embedding_table())
             if not target.arch.tie_word_embeddings:
                 self.model.lm_head.copy_(target.lm_head)
             self.model.norm.load_state_dict(target.norm.state_dict())

@@ -21,7 +21,7 @@ from specserve.model.families import family
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from specserve.model.moe import SparseMoE
 from specserve.model.ops import TorchOps
-from specserve.model.quant import PackedWeight, QuantizedTensor, cat_rows
+from specserve.model.quant import PackedWeight, QuantEmbedding, QuantizedTensor, cat_rows, embedding
 from specserve.model.tensor_parallel import TensorParallel, local_arch, shard_tensor
 
 _TORCH_OPS = TorchOps()
@@ -169,15 +169,20 @@ class LlamaModel(nn.Module):
             return normed
         return normed, (torch.cat(kept, dim=-1) if taps else h)
 
+    def embedding_table(self) -> torch.Tensor:
+        """The (unscaled) embedding table as a float tensor, whether kept float or in its GGUF blocks."""
+        e = self.embed
+        return e.dequantize(self.dtype) if isinstance(e, QuantEmbedding) else e
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: the (scaled) token embeddings, the first layer's input."""
         tp = self.tp
         if tp is None:
-            h = F.embedding(input_ids, self.embed)
+            h = embedding(input_ids, self.embed)
         else:  # this rank's vocabulary rows; the other ranks' tokens are zeros here and come in the all-reduce
             start, end = tp.spec.vocab
             mine = (input_ids >= start) & (input_ids < end)
-            h = F.embedding((input_ids - start).clamp_(0, end - start - 1), self.embed) * mine.unsqueeze(-1)
+            h = embedding((input_ids - start).clamp_(0, end - start - 1), self.embed) * mine.unsqueeze(-1)
             h = tp.comm.all_reduce(h)
         return h if self.embed_scale == 1.0 else h * self.embed_scale
 
@@ -237,6 +242,9 @@ class LlamaModel(nn.Module):
             if matmul and packer is not None:
                 delattr(module, attr)  # a registered Parameter cannot be reassigned to a module
                 setattr(module, attr, packer(src, names[0]))
+            elif attr == "embed" and packer is not None and isinstance(src, QuantizedTensor):
+                delattr(module, attr)  # kept in its blocks: rows are dequantized when looked up
+                setattr(module, attr, QuantEmbedding(src, self.dtype, self.device))
             else:
                 dst.copy_((src.dequantize() if isinstance(src, QuantizedTensor) else src).to(dst.dtype))
 

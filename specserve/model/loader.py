@@ -41,6 +41,7 @@ class Checkpoint:
     state_dict: dict[str, torch.Tensor | QuantizedTensor]
     format: str  # "hf" | "gguf"
     name: str  # display name: GGUF general.name, else the file or dir name
+    file_tensor_bytes: int = 0  # bytes of the tensors in the file (GGUF: as stored, blocks included)
 
 
 def default_model_path() -> str:
@@ -405,4 +406,4 @@ def _load_gguf(file: str, given: str, keep_quantized: bool = False) -> Checkpoin
     if (convert := family(arch.architecture).gguf_weights) is not None:
         convert(sd, arch)
     name = g.meta.get("general.name") or os.path.splitext(os.path.basename(file))[0]
-    return Checkpoint(given, arch, sd, "gguf", str(name))
+    return Checkpoint(given, arch, sd, "gguf", str(name), sum(info.nbytes for info in g.tensors.values()))

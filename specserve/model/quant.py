@@ -354,6 +354,62 @@ class TritonQuantWeight(_Quantized):
         return int4_matmul(x.contiguous(), self.packed, self.scales, self.mins, GROUP)
 
 
+class QuantEmbedding(nn.Module):
+    """An embedding table kept in its GGUF blocks (a 1.5B model's fp32 table is 0.9 GB, its Q4_K blocks 0.13):
+    ``lookup`` dequantizes only the rows it returns, to the values ``QuantizedTensor.dequantize`` gives (the
+    gguf package's)."""
+
+    codes: torch.Tensor  # [V, dim] int8, or [V, dim / 2] uint8 (two 4-bit codes a byte)
+    scales: torch.Tensor  # [V, groups]: values, or with ``halves`` the int8 subs of the two-level form
+    mins: torch.Tensor | None
+
+    def __init__(self, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.bits, self.group, self.dtype = qt.bits, qt.group, dtype
+        self.num_embeddings, self.embedding_dim = qt.shape
+        codes = qt.codes if qt.bits == 8 else qt.codes[:, 0::2] | (qt.codes[:, 1::2] << 4)
+        self.register_buffer("codes", codes.contiguous().to(device))
+        lv = qt.levels
+        self.halves = 0 if lv is None else lv.halves
+        if lv is not None:  # the file's two-level scales: int8 subs, fp16 sups
+            self.register_buffer("scales", lv.sub.to(device))
+            self.register_buffer("sups", lv.sup.half().to(device))
+            self.register_buffer("mins", None if lv.min_sub is None else lv.min_sub.to(device))
+            self.register_buffer("min_sups", None if lv.min_sup is None else lv.min_sup.half().to(device))
+        else:
+            def compact(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else (t.half() if torch.equal(t.half().float(), t) else t).to(device)
+
+            self.register_buffer("scales", compact(qt.scales))
+            self.register_buffer("mins", compact(qt.mins))
+
+    def _values(self, t: torch.Tensor | None, sups: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:
+        if t is None:
+            return None
+        rows = t.index_select(0, ids).float()  # [T, groups]
+        if sups is None:
+            return rows
+        per = rows.shape[1] // sups.shape[1]
+        return (rows.view(len(ids), -1, per) * sups.index_select(0, ids).float()[..., None]).view(len(ids), -1)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, dim] in the model's dtype."""
+        c = self.codes.index_select(0, ids)
+        codes = c if self.bits == 8 else torch.stack([c & 0xF, c >> 4], dim=-1).view(len(ids), -1)
+        scales = self._values(self.scales, getattr(self, "sups", None), ids)
+        mins = self._values(self.mins, getattr(self, "min_sups", None), ids)
+        qt = QuantizedTensor(self.bits, codes, scales, mins)  # type: ignore[arg-type]
+        return qt.dequantize(self.dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.lookup(torch.arange(self.num_embeddings, device=self.codes.device)).to(dtype)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | QuantEmbedding) -> torch.Tensor:
+    """Rows ``ids`` of a float table (``F.embedding``) or of one kept in its blocks."""
+    return table.lookup(ids) if isinstance(table, QuantEmbedding) else F.embedding(ids, table)
+
+
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The ``Linear`` seam of a quantized model: every matmul weight it holds is a ``PackedWeight``."""
     y = weight(x)
@@ -432,7 +488,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of a model's weights: parameters and the buffers packed weights keep (codes, scales, mins)."""
     seen: set[int] = set()
     total = 0
-    for t in list(model.parameters()) + [b for m in model.modules() if isinstance(m, PackedWeight)
+    for t in list(model.parameters()) + [b for m in model.modules() if isinstance(m, (PackedWeight, QuantEmbedding))
                                          for b in m.buffers()]:
         if id(t) not in seen:
             seen.add(id(t))
@@ -444,6 +500,8 @@ def describe_weights(model: nn.Module) -> str:
     """One start-up line: how many matmul weights of each kind, and their bytes."""
     kinds: dict[str, list[int]] = {}
     for m in model.modules():
+        if isinstance(m, QuantEmbedding):
+            kinds[f"int{m.bits} embedding"] = [1, sum(b.numel() * b.element_size() for b in m.buffers())]
         if isinstance(m, PackedWeight) and not isinstance(m, ConcatWeight):  # (its parts are counted)
             kind = f"int{m.bits}" if isinstance(m, _Quantized) else "dense"
             nbytes = sum(b.numel() * b.element_size() for b in list(m.buffers()) + list(m.parameters()))

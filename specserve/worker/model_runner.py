@@ -23,7 +23,7 @@ from specserve.model.eagle_head import EagleHead
 from specserve.model.llama import LlamaModel
 from specserve.model.loader import Checkpoint
 from specserve.model.ops import make_ops
-from specserve.model.quant import describe_weights, make_packer, packed_linear, quantizes
+from specserve.model.quant import describe_weights, make_packer, packed_linear, quantizes, weight_bytes
 from specserve.model.tensor_parallel import Comm, TensorParallel
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import (
@@ -102,7 +102,8 @@ def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_po
                        make_ops(platform.device, dtype, platform.attention_backend), platform.moe_kernel,
                        platform.linear(dtype), tp)
     model.load_weights(ckpt.state_dict, packer)
-    log.info("weights: %s", describe_weights(model))
+    log.info("weights: %s%s", describe_weights(model), f" ({weight_bytes(model) / ckpt.file_tensor_bytes:.2f}x "
+             f"the file's {ckpt.file_tensor_bytes / 2**20:.0f} MiB)" if ckpt.file_tensor_bytes else "")
     return model.eval()
 
 
