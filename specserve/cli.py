@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest prompt accepted, in tokens (default: only the context length bounds it)")
     s.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
                    help="how tool calls are read from the output (auto: from the chat template)")
+    s.add_argument("--pooler-config", default=None,
+                   help='/v1/embeddings pooling, vLLM\'s JSON: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}')
     s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM: how long requests in flight may still run before they are aborted")
     s.set_defaults(func=cmd_serve)

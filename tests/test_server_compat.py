@@ -175,3 +175,98 @@ def test_tools_with_response_format(client, tool_choice):
         else:
             assert tool_choice == "auto"
             jsonschema.validate(json.loads(msg.content), WEATHER_REPORT)
+
+
+# -- models and embeddings ------------------------------------------------------------------------------------
+@slow
+def test_model_lookup(client):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["type"] == "invalid_request_error"
+
+
+def _greedy_next(client: openai.OpenAI, prompt: str) -> str:
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).choices[0].text
+
+
+@slow
+def test_embeddings_last_token(client, server_engine):
+    """The default (vLLM's for decoder models): the last token's final hidden state, L2-normalised. The LM
+    head over it picks the token greedy decoding picks (normalising scales it, which keeps the argmax);
+    base64 (the openai client's default) and float agree; usage counts the input tokens."""
+    import numpy as np
+    import torch
+
+    texts = ["The capital of France is", "def fibonacci(n):"]
+    r = client.embeddings.create(model=MODEL, input=texts)  # base64 on the wire, decoded by the client
+    floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    tok = server_engine.tokenizer
+    assert r.usage.prompt_tokens == sum(len(tok.encode(t)) for t in texts) == floats.usage.prompt_tokens
+    model = server_engine.runner.model
+    for text, item, plain in zip(texts, r.data, floats.data):
+        v = np.array(item.embedding)
+        assert v.shape == (model.arch.hidden_size,) and abs(np.linalg.norm(v) - 1) < 1e-4
+        assert np.allclose(v, plain.embedding, atol=1e-6)
+        hidden = torch.tensor(plain.embedding, dtype=model.dtype)[None]
+        best = int(model.compute_logits(hidden).argmax())
+        assert tok.decode([best]) == _greedy_next(client, text)
+    again = client.embeddings.create(model=MODEL, input=texts[0], encoding_format="float")
+    assert np.allclose(again.data[0].embedding, floats.data[0].embedding, atol=1e-5)
+    by_ids = client.embeddings.create(model=MODEL, input=tok.encode(texts[0]), encoding_format="float")
+    assert np.allclose(by_ids.data[0].embedding, floats.data[0].embedding, atol=1e-5)
+
+
+@slow
+def test_embeddings_do_not_disturb_generation(server, client, server_engine):
+    """Embeddings computed while a generation streams: the stream's text is what it is alone, and every KV
+    block is free afterwards."""
+    kw = dict(model=MODEL, prompt="List the days of the week:", max_tokens=48, temperature=0)
+    alone = client.completions.create(**kw).choices[0].text
+    pieces = []
+    for k, chunk in enumerate(client.completions.create(stream=True, **kw)):
+        pieces.append(chunk.choices[0].text if chunk.choices else "")
+        if k in (2, 6):
+            client.embeddings.create(model=MODEL, input=["Paris is the capital of France."] * 2)
+    assert "".join(pieces) == alone
+    kv = server_engine.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+@slow
+def test_embeddings_errors(client):
+    for kw, match in [({"input": ""}, "must not be empty"), ({"input": [], }, "must not be empty"),
+                      ({"input": "x", "dimensions": 8}, "dimensions"), ({"input": [10 ** 7]}, "token ids"),
+                      ({"input": "x " * 3000}, "tokens")]:
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.embeddings.create(model=MODEL, encoding_format="float", **kw)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="other", input="x")
+
+
+@slow
+def test_embeddings_mean_pooling(server_engine, start_server):
+    """``--pooler-config '{"pooling_type": "MEAN"}'``: the mean over the input's tokens, normalised; for one
+    token, the same as the last token's."""
+    import numpy as np
+
+    from specserve.server.api import create_app
+
+    mean_srv = start_server(create_app(server_engine, pooler_config='{"pooling_type": "MEAN"}'))
+    last_srv = start_server(create_app(server_engine))
+    try:
+        mean_c, last_c = (openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
+                          for s in (mean_srv, last_srv))
+        text = "The quick brown fox jumps over the lazy dog"
+        mean = np.array(mean_c.embeddings.create(model=MODEL, input=text).data[0].embedding)
+        last = np.array(last_c.embeddings.create(model=MODEL, input=text).data[0].embedding)
+        assert abs(np.linalg.norm(mean) - 1) < 1e-4 and not np.allclose(mean, last, atol=1e-2)
+        one = [server_engine.tokenizer.encode("Hello")[0]]
+        assert np.allclose(mean_c.embeddings.create(model=MODEL, input=one).data[0].embedding,
+                           last_c.embeddings.create(model=MODEL, input=one).data[0].embedding, atol=1e-5)
+    finally:
+        mean_srv.stop()
+        last_srv.stop()
+    with pytest.raises(ValueError, match="pooling_type"):
+        create_app(server_engine, pooler_config='{"pooling_type": "ALL"}')

@@ -16,12 +16,14 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from specserve.engine.engine import Engine
 from specserve.outputs import RequestOutput
 from specserve.sample.grammar import GrammarError
 from specserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 log = logging.getLogger("specserve.async_engine")
 
@@ -216,6 +218,18 @@ class AsyncEngine:
         finally:
             stream.abort()
 
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """``fn(engine)`` on the loop thread between two steps (never during one), e.g. ``Engine.embed``; its
+        result or exception comes back here."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the engine has been shut down")
+        self._send("call", None, fn, loop, fut)
+        return await fut
+
     def abort(self, request_id: str) -> None:
         """Thread-safe: the loop thread aborts the request before its next step (its KV is freed then)."""
         self._send("abort", request_id)
@@ -267,6 +281,9 @@ class AsyncEngine:
                 self._do_add(request_id, args, loop, fut, closing)
             elif kind == "abort_all":
                 self._fail_all(rest[0])
+            elif kind == "call":
+                fn, loop, fut = rest
+                self._do_call(fn, loop, fut, closing)
             else:
                 self._do_abort(request_id)
 
@@ -284,6 +301,17 @@ class AsyncEngine:
             _call_soon(loop, _settle, fut, e)
             return
         _call_soon(loop, _settle, fut, None)
+
+    def _do_call(self, fn: Callable[[Engine], Any], loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any],
+                 closing: bool) -> None:
+        try:
+            if closing:
+                raise EngineClosedError("the engine is shutting down")
+            result = fn(self.engine)
+        except Exception as e:
+            _call_soon(loop, _settle, fut, e)
+            return
+        _call_soon(loop, _resolve, fut, result)
 
     def _do_abort(self, request_id: str) -> None:
         try:
@@ -325,6 +353,11 @@ def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(error)
+
+
+def _resolve(fut: asyncio.Future[Any], result: Any) -> None:
+    if not fut.done():
+        fut.set_result(result)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

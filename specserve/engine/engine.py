@@ -168,6 +168,24 @@ class Engine:
             comp.finish_reason = comp.finish_reason or "abort"
             self._child_group.pop(req.request_id, None)
 
+    def embed(self, prompt_token_ids: list[int], pooling: str = "LAST") -> list[float] | None:
+        """The prompt's final hidden state pooled (``LAST`` / ``CLS`` token, or ``MEAN``; not normalised), for
+        the server's ``/v1/embeddings``: one target forward over KV blocks taken from the free pool and given
+        back before this returns; requests in flight keep theirs. Call it between steps (the engine loop's
+        thread). None while too few blocks are free (retry later); ValueError when the prompt can never fit."""
+        n = len(prompt_token_ids)
+        need = self.kv.blocks_needed(n)
+        if n == 0 or n > self.max_model_len or need > self.kv.pool.num_blocks:
+            raise ValueError(f"input has {n} tokens; this model takes 1 to {self.max_model_len}"
+                             + (f" (and the KV cache {self.kv.pool.num_blocks} blocks)" if n else ""))
+        if need > self.kv.num_free_blocks:
+            return None
+        blocks = self.kv.pool.allocate(need)
+        try:
+            return self.runner.embed(prompt_token_ids, blocks, pooling, self.config.scheduler.max_num_batched_tokens)
+        finally:
+            self.kv.pool.free(blocks[::-1])
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

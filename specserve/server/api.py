@@ -39,8 +39,8 @@ from specserve.engine.async_engine import (
     AsyncEngine,
 )
 from specserve.engine.engine import Engine
+from specserve.server import embeddings, webui
 from specserve.server import protocol as proto
-from specserve.server import webui
 from specserve.server.errors import APIError, as_api_error
 from specserve.server.protocol import (
     ChatCompletionRequest,
@@ -161,7 +161,8 @@ def default_served_name(engine: Engine) -> str:
 def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None = None,
                served_model_name: str | None = None, max_queue: int = 256,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               max_prompt_tokens: int | None = None, tool_call_parser: str = "auto") -> FastAPI:
+               max_prompt_tokens: int | None = None, tool_call_parser: str = "auto",
+               pooler_config: str | dict[str, Any] | None = None) -> FastAPI:
     """An app over an engine config (loaded here), a built Engine (the app's AsyncEngine then owns its loop)
     or a shared AsyncEngine (``max_queue`` is then the AsyncEngine's own; the app neither starts a second
     loop nor shuts it down)."""
@@ -192,6 +193,7 @@ def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None 
     _add_error_handlers(app)
     _add_routes(app, state)
     app.include_router(webui.make_router(aengine.get_metrics, state.served_name))  # GET /: the web UI
+    app.include_router(embeddings.make_router(state, pooler_config))  # POST /v1/embeddings
     return app
 
 
@@ -279,6 +281,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         card = proto.ModelCard(id=state.served_name, root=root, max_model_len=state.max_model_len)
         return proto.ModelList(data=[card]).model_dump()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != state.served_name:
+            return APIError(404, f"The model `{model_id}` does not exist.", param="model",
+                            code="model_not_found").response()
+        return JSONResponse(proto.ModelCard(id=state.served_name, max_model_len=state.max_model_len,
+                                            root=state.engine.engine.config.model.model or state.served_name
+                                            ).model_dump())
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         try:
@@ -358,7 +369,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], args: Any) -> i
                      max_queue=getattr(args, "max_queue", 256),
                      max_request_bytes=getattr(args, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES,
                      max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
-                     tool_call_parser=getattr(args, "tool_call_parser", None) or "auto")
+                     tool_call_parser=getattr(args, "tool_call_parser", None) or "auto",
+                     pooler_config=getattr(args, "pooler_config", None))
     state: ServerState = app.state.specserve
     host, port = args.host, args.port
     print(f"specserve: serving {state.served_name!r} at http://{host}:{port}/v1 "

@@ -155,6 +155,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequest] = {}
         self._target_call = self.mirror.wrap("target", self._forward)
         self._move_kv_call = self.mirror.wrap("move_kv", self._move_kv)
+        self.embed = self.mirror.wrap("embed", self._embed)
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _build(self, ckpt: Checkpoint, tp: TensorParallel | None = None) -> LlamaModel:
@@ -264,6 +265,23 @@ class ModelRunner:
         if not logits_at:
             return out, None, scores
         return out, self.model.compute_logits(out.hidden[to_device(logits_at, self.device, torch.int64)]), scores
+
+    @torch.inference_mode()
+    def _embed(self, token_ids: list[int], block_ids: list[int], pooling: str, chunk: int) -> list[float]:
+        """One prompt's final (normed) hidden states pooled: the ``LAST`` token's, the ``CLS`` (first) token's or
+        their ``MEAN``; the target forward over ``block_ids`` (the caller's, given back after), ``chunk`` tokens
+        at a time. Nothing else is touched: no request state, no drafter, no features."""
+        total: torch.Tensor | None = None
+        first = last = None
+        for start in range(0, len(token_ids), chunk):
+            piece = tuple(token_ids[start:start + chunk])
+            hidden = self.target_step([piece], [start], [tuple(block_ids)], prenorm=False).hidden.float()  # [t, H]
+            first = hidden[0] if first is None else first
+            last = hidden[-1]
+            total = hidden.sum(0) if total is None else total + hidden.sum(0)
+        assert total is not None and first is not None and last is not None
+        pooled = {"LAST": last, "CLS": first}.get(pooling, total / len(token_ids))  # [H]
+        return pooled.tolist()
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._sync_requests(so)
