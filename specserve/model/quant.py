@@ -255,7 +255,9 @@ class CpuQuantWeight(_Quantized):
         else:
             packed = qt.codes
         self.register_buffer("packed", packed.contiguous().to(device))
-        self.halves = 1
+        self.halves = GROUP // qt.group  # 2: scales per half group (Q6_K)
+        if self.halves not in (1, 2) or (self.halves == 2 and qt.bits != 8):
+            raise ValueError(f"no CPU kernel for {qt.bits}-bit weights in groups of {qt.group}")
         if qt.levels is not None:  # K-quants: the kernels read the file's two-level scales (uint8 blobs)
             lv = qt.levels
             self.halves = lv.halves
@@ -287,7 +289,7 @@ class CpuQuantWeight(_Quantized):
         def values(t: torch.Tensor, halves: int) -> torch.Tensor:  # [n, g * halves] fp32
             if t.dtype == torch.uint8:
                 return _unblob(t, n, g, halves, self.tiled)
-            return t.float().permute(0, 2, 1).reshape(n, g) if self.tiled else t.float()
+            return t.float().permute(0, 2, 1).reshape(n, g * halves) if self.tiled else t.float()
 
         mins = None if self.mins is None else values(self.mins, 1)
         return QuantizedTensor(self.bits, codes, values(self.scales, self.halves), mins)

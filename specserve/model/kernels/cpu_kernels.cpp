@@ -121,11 +121,14 @@ template <> inline __m256 scale8<at::Half>(const at::Half* p) { return _mm256_cv
 //     groups (256 weights), 8 H int8 subs (H = 2: one per half group of 16, as Q6_K has them) then the fp16
 //     sup; [N, G / 8, 8 H + 2] bytes. An 8-bit integer times an fp16 has at most 19 significant bits, so the
 //     fp32 product is exact: the kernels compute with the file's numbers, as with a Plain<float> of products.
-template <typename S> struct Plain {
-  static constexpr int kHalves = 1;
+//   Plain<S, 2>: one per half group (Q6_K's scales as fp32 products, where a slice lost the super-blocks).
+inline __m128 scale4(const float* p) { return _mm_loadu_ps(p); }
+inline __m128 scale4(const at::Half* p) { return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+template <typename S, int H = 1> struct Plain {
+  static constexpr int kHalves = H;
   const S* p; int64_t G;
   __m128 pair(int64_t n, int64_t g) const { return scale2<S>(p + n * G + g); }  // groups g, g + 1: lanes 0, 1
-  __m128 four(int64_t n, int64_t g) const { return pair(n, g); }  // (only Blob<2> has four values here)
+  __m128 four(int64_t n, int64_t g) const { return scale4(p + (n * G + g) * H); }  // H = 2: [g lo, g hi, g+1 lo, g+1 hi]
   float one(int64_t n, int64_t g) const { return static_cast<float>(p[n * G + g]); }
   __m256 eight(int64_t n, int64_t g) const { return scale8<S>(p + n * G + g); }
 };
@@ -347,10 +350,10 @@ template <> inline __m512 load16<at::Half>(const at::Half* p) { return _mm512_cv
 //   Plain16<S>: fp32 / fp16 values, [N / 16, G, 16];
 //   Blob16<H>: K-quants' two-level scales (Blob<H> above), per tile and super-block of 8 groups the int8 subs
 //     [8 groups, H, 16 columns] then the 16 columns' fp16 sups: [N / 16, G / 8, 128 H + 32] bytes.
-template <typename S> struct Plain16 {
-  static constexpr int kHalves = 1;
+template <typename S, int H = 1> struct Plain16 {  // H = 2: [N / 16, G * 2, 16], one per half group
+  static constexpr int kHalves = H;
   const S* p; int64_t G;
-  __m512 at(int64_t t, int64_t g, int) const { return load16<S>(p + (t * G + g) * kTile16); }
+  __m512 at(int64_t t, int64_t g, int h) const { return load16<S>(p + ((t * G + g) * H + h) * kTile16); }
 };
 template <int H> struct Blob16 {
   static constexpr int kHalves = H;
@@ -452,8 +455,9 @@ at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   const bool half = sc.scalar_type() == at::kHalf, blob = sc.scalar_type() == at::kByte;
   TORCH_CHECK(q.is_contiguous() && q.size(1) == G && q.size(2) == (kQ4 ? 256 : 512) && sc.is_contiguous() &&
               sc.dim() == 3 && sc.size(0) == q.size(0), "tiled weight shape does not match x");
+  const bool halves = !blob && !kQ4 && sc.size(1) == 2 * G;  // fp32 / fp16 per half group
   TORCH_CHECK(blob ? (G % 8 == 0 && sc.size(1) == G / 8 && (sc.size(2) == 160 || (!kQ4 && sc.size(2) == 288)))
-                   : (sc.size(1) == G && sc.size(2) == kTile16 && (half || sc.scalar_type() == at::kFloat)),
+                   : ((sc.size(1) == G || halves) && sc.size(2) == kTile16 && (half || sc.scalar_type() == at::kFloat)),
               "tiled weight scales do not match the codes");
   TORCH_CHECK(!kQ4 || (mins.has_value() && mins->sizes() == sc.sizes() && mins->is_contiguous() &&
                        mins->scalar_type() == sc.scalar_type()), "bad mins");
@@ -468,6 +472,11 @@ at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
     const uint8_t* mp = mins.has_value() ? mins->data_ptr<uint8_t>() : nullptr;
     if (kQ4 || blob_halves(sc, 32, 128) == 1) run(Blob16<1>{sc.data_ptr<uint8_t>(), G}, Blob16<1>{mp, G});
     else if constexpr (!kQ4) run(Blob16<2>{sc.data_ptr<uint8_t>(), G}, Blob16<2>{nullptr, G});
+  } else if (halves) {
+    if constexpr (!kQ4) {
+      if (half) run(Plain16<at::Half, 2>{sc.data_ptr<at::Half>(), G}, Plain16<at::Half, 2>{nullptr, G});
+      else run(Plain16<float, 2>{sc.data_ptr<float>(), G}, Plain16<float, 2>{nullptr, G});
+    }
   } else if (half) {
     run(Plain16<at::Half>{sc.data_ptr<at::Half>(), G}, Plain16<at::Half>{mins.has_value() ? mins->data_ptr<at::Half>() : nullptr, G});
   } else {
@@ -486,8 +495,9 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc,
   const int64_t M = x.size(0), K = x.size(1), N = sc.size(0), G = K / kGroup;
   const bool half = sc.scalar_type() == at::kHalf, blob = sc.scalar_type() == at::kByte;
   TORCH_CHECK(sc.is_contiguous() && q.is_contiguous() && q.numel() == N * K / (kQ4 ? 2 : 1), "weight shape does not match x");
+  const bool halves = !blob && !kQ4 && sc.size(1) == 2 * G;  // fp32 / fp16 per half group
   TORCH_CHECK(blob ? (sc.dim() == 3 && G % 8 == 0 && sc.size(1) == G / 8 && (sc.size(2) == 10 || (!kQ4 && sc.size(2) == 18)))
-                   : ((half || sc.scalar_type() == at::kFloat) && sc.size(1) == G),
+                   : ((half || sc.scalar_type() == at::kFloat) && (sc.size(1) == G || halves)),
               "weight scales do not match the codes");
   TORCH_CHECK(!kQ4 || (mins.has_value() && mins->sizes() == sc.sizes() && mins->is_contiguous() &&
                        mins->scalar_type() == sc.scalar_type()), "bad mins");
@@ -498,6 +508,11 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc,
     const uint8_t* mp = mins.has_value() ? mins->data_ptr<uint8_t>() : nullptr;
     if (kQ4 || blob_halves(sc, 2, 8) == 1) run(Blob<1>{sc.data_ptr<uint8_t>(), G}, Blob<1>{mp, G});
     else if constexpr (!kQ4) run(Blob<2>{sc.data_ptr<uint8_t>(), G}, Blob<2>{nullptr, G});
+  } else if (halves) {
+    if constexpr (!kQ4) {
+      if (half) run(Plain<at::Half, 2>{sc.data_ptr<at::Half>(), G}, Plain<at::Half, 2>{nullptr, G});
+      else run(Plain<float, 2>{sc.data_ptr<float>(), G}, Plain<float, 2>{nullptr, G});
+    }
   } else if (half) {
     run(Plain<at::Half>{sc.data_ptr<at::Half>(), G}, Plain<at::Half>{mins.has_value() ? mins->data_ptr<at::Half>() : nullptr, G});
   } else {
