@@ -234,3 +234,30 @@ def test_tiny_kquant_model_speculation_is_bit_exact(tmp_path):
     with open(path, "rb") as f:
         tensor_bytes = sum(i.nbytes for i in parse_gguf(f, path).tensors.values())
     assert resident <= 1.15 * tensor_bytes
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_tiny_kquant_model_tensor_parallel(tmp_path):
+    """TP=2 slices K-quant weights: a slice of whole super-blocks keeps the two-level scales (ffn_down's 256
+    columns a rank), another falls back to fp32 products (attn_output's 128): greedy equals TP=1 under the
+    near-tie rule (the ranks add partial sums in another order)."""
+    from specserve import SamplingParams
+    from specserve.llm import LLM
+    from tests.test_engine import assert_same_or_near_tie
+
+    path = str(tmp_path / "tiny-kquant.gguf")
+    _tiny_kquant_gguf(path)
+    prompts = [[5, 9, 13, 2 + i, 7, 5, 9, 13] for i in range(1, 5)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(num_blocks=64, block_size=16, device="cpu")
+    ref_llm = LLM(path, **kw)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(None, sp, prompt_token_ids=prompts)]
+    with LLM(path, tensor_parallel_size=2, **kw) as llm:
+        down = llm.engine.runner.model.layers[0].mlp.down
+        assert isinstance(down, CpuQuantWeight) and down.scales.dtype == torch.uint8  # levels kept
+        got = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts)]
+    ties: list[tuple] = []
+    for p, g, r in zip(prompts, got, ref):
+        assert_same_or_near_tie(ref_llm, p, g, r, ties)
+    assert len(ties) <= 1, ties

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from specserve.config import ModelArch, SpecserveError
-from specserve.model.quant import GROUP, QuantizedTensor
+from specserve.model.quant import GROUP, QuantizedTensor, TwoLevel
 
 
 @dataclass(frozen=True)
@@ -143,9 +143,17 @@ def _cols(t: Any, a: int, b: int) -> Any:
     if isinstance(t, QuantizedTensor):
         if a % GROUP or b % GROUP:
             return _cols(t.dequantize(), a, b)  # a slice inside a group: float (requantized by the packer)
-        ga, gb = a // GROUP, b // GROUP
-        return QuantizedTensor(t.bits, t.codes[:, a:b].contiguous(), t.scales[:, ga:gb].contiguous(),
-                               None if t.mins is None else t.mins[:, ga:gb].contiguous())
+        ga, gb = a // t.group, b // t.group
+
+        def part(x: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+            return None if x is None else x[:, lo:hi].contiguous()
+
+        lv = t.levels  # K-quants' two-level scales survive a slice of whole super-blocks (256 columns)
+        levels = None if lv is None or a % 256 or b % 256 else TwoLevel(
+            part(lv.sub, ga, gb), part(lv.sup, a // 256, b // 256), part(lv.min_sub, ga, gb),  # type: ignore[arg-type]
+            part(lv.min_sup, a // 256, b // 256), lv.halves)
+        return QuantizedTensor(t.bits, t.codes[:, a:b].contiguous(), part(t.scales, ga, gb),  # type: ignore[arg-type]
+                               part(t.mins, ga, gb), levels)
     return t[:, a:b].contiguous()
 
 
@@ -153,7 +161,10 @@ def _pad_rows(t: Any, n: int) -> Any:
     if isinstance(t, QuantizedTensor):
         def z(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x, x.new_zeros(n, *x.shape[1:])])
-        return QuantizedTensor(t.bits, z(t.codes), z(t.scales), None if t.mins is None else z(t.mins))
+        lv = t.levels
+        levels = None if lv is None else TwoLevel(z(lv.sub), z(lv.sup), None if lv.min_sub is None else z(lv.min_sub),
+                                                 None if lv.min_sup is None else z(lv.min_sup), lv.halves)
+        return QuantizedTensor(t.bits, z(t.codes), z(t.scales), None if t.mins is None else z(t.mins), levels)
     return torch.cat([t, t.new_zeros(n, *t.shape[1:])])
 
 
