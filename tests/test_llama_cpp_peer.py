@@ -168,9 +168,9 @@ def test_command_lines():
     assert lcp.bench_command("/b/llama-bench", "/m.gguf", 2, 3, 64, 128) == [
         "/b/llama-bench", "-m", "/m.gguf", "-t", "2", "-r", "3", "-p", "64", "-n", "128", "-o", "json"]
     assert lcp.bench_command("b", "m", 1, 5, 0, 16, ["-fa", "1"])[-4:] == ["-o", "json", "-fa", "1"]
-    assert lcp.server_command("/b/llama-server", "/m.gguf", 2, 8080, 4096, ["-md", "d.gguf", "--draft-max", "5"]) == [
+    assert lcp.server_command("/b/llama-server", "/m.gguf", 2, 8080, 4096, ["-md", "d.gguf", "--spec-draft-n-max", "5"]) == [
         "/b/llama-server", "-m", "/m.gguf", "-t", "2", "-tb", "2", "-c", "4096", "-np", "1", "--host",
-        "127.0.0.1", "--port", "8080", "-md", "d.gguf", "--draft-max", "5"]
+        "127.0.0.1", "--port", "8080", "-md", "d.gguf", "--spec-draft-n-max", "5"]
     body = lcp.completion_body([1, 2, 3], 64, False)
     assert body == {"prompt": [1, 2, 3], "n_predict": 64, "temperature": 0.0, "top_k": 1, "top_p": 1.0,
                     "min_p": 0.0, "repeat_penalty": 1.0, "cache_prompt": False, "ignore_eos": False,
@@ -305,7 +305,7 @@ def test_bench_offline_peer_llama_cpp_end_to_end(fake_dir, tiny_model, tmp_path,
     torch.set_num_threads(old_threads)
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "llama.cpp tg16 tok/s" in printed and "on/llama.cpp tg16" in printed and "native build 11434" in printed
+    assert "llama.cpp tg16 tok/s" in printed and "on/llama.cpp tg16" in printed and "build 11434, commit fake" in printed
     doc = json.loads((out / "results.json").read_text())
     peer = doc["llama_cpp"]
     assert peer["n_threads"] == peer["specserve_threads"] == 1
@@ -329,7 +329,7 @@ def test_real_llama_cpp_on_demo_gguf():
 
     gguf = default_model_path()
     res = lcp.run_bench(bench, gguf, 1, 1, 8, 8)
-    assert res["tg"]["tok_s"] > 0 and res["pp"]["tok_s"] > 0 and res["build_number"]
+    assert res["tg"]["tok_s"] > 0 and res["pp"]["tok_s"] > 0 and res["tg"]["n_gen"] == 8
     served = lcp.run_served(server, gguf, [[1, 2, 3, 4, 5]], 8, 1, True, 1)
     out, = served["outputs"]
     assert out is not None and len(out) == 8 and served["tok_s_median"] > 0

@@ -53,6 +53,29 @@ def find_binary(name: str, explicit_dir: str | None = None) -> str:
                          f"(binaries land in {DEFAULT_DIR}) or point --llama-cpp-dir / ${DIR_ENV} at them")
 
 
+def build_info(bin_dir: str) -> dict[str, str]:
+    """What benchmarks/build_llama_cpp.sh recorded beside the binaries (``source``, ``flags``), else {}: built
+    from an sdist without git metadata, the binaries themselves report build 0, commit unknown."""
+    info: dict[str, str] = {}
+    for cand in (os.path.join(bin_dir, os.pardir, "specserve-build-flags.txt"),
+                 os.path.join(bin_dir, "build", "specserve-build-flags.txt")):
+        if os.path.isfile(cand):
+            with open(cand, encoding="utf-8") as f:
+                for line in f:
+                    key, _, value = line.strip().partition(" ")
+                    if key in ("source", "flags"):
+                        info[key] = value
+            break
+    return info
+
+
+def describe_build(bin_dir: str, build_number: Any, build_commit: Any) -> str:
+    """One phrase naming the llama.cpp build: its source (from the build script's stamp) and build number."""
+    src = build_info(bin_dir).get("source")
+    own = f"build {build_number}, commit {build_commit}" if build_number else None
+    return ", ".join(x for x in (src and f"native llama.cpp from {src}", own) if x) or "native llama.cpp"
+
+
 # -- llama-bench -------------------------------------------------------------------------------------------------
 def bench_command(exe: str, model: str, threads: int, repeats: int, n_prompt: int, n_gen: int,
                   extra: Sequence[str] = ()) -> list[str]:
@@ -297,12 +320,14 @@ def offline_peer(model: str, prompts: Sequence[Sequence[int]], max_tokens: int, 
     if bench["tg"] is None:
         raise SpecserveError(f"llama-bench reported no tg{n_gen} test: {bench['command']}")
     tg = bench["tg"]["tok_s"]
+    bin_dir = os.path.dirname(bench_exe)
+    build = describe_build(bin_dir, bench["build_number"], bench["build_commit"])
     name = f"llama.cpp tg{n_gen}"
     res: dict[str, Any] = {
-        "name": name, "tok_s": tg, "n_threads": threads, "llama_cpp_dir": os.path.dirname(bench_exe),
-        "build_number": bench["build_number"], "build_commit": bench["build_commit"], "cpu_info": bench["cpu_info"],
-        "bench": bench, "modes": {}, "notes": [
-            f"native llama.cpp build {bench['build_number']} ({bench['build_commit']}), {threads} threads; "
+        "name": name, "tok_s": tg, "n_threads": threads, "llama_cpp_dir": bin_dir, "build": build,
+        "build_info": build_info(bin_dir), "build_number": bench["build_number"],
+        "build_commit": bench["build_commit"], "cpu_info": bench["cpu_info"], "bench": bench, "modes": {}, "notes": [
+            f"{build}, {threads} threads; "
             f"llama-bench: `{bench['command']}`; tok/s = median of its {max(1, repeats)} samples.",
             f"llama-bench tg{n_gen} is pure decode from an empty context, pp{pp_n} one prompt batch; specserve's "
             "tok/s includes every prompt's prefill, so off/on vs tg is conservative for specserve.",

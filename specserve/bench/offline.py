@@ -452,7 +452,7 @@ def add_parser(sub, add_engine_args) -> None:
                    help="llama.cpp: llama-bench only, skip the same-prompts run through llama-server")
     p.add_argument("--peer-server-args", default="",
                    help="llama.cpp: extra llama-server flags, e.g. '-md DRAFT.gguf --spec-type draft-simple "
-                        "--draft-max 5' for its own speculation")
+                        "--spec-draft-n-max 5' for its own speculation")
     p.add_argument("--out", default=None, help="write results.json, report.md and PNG plots here")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_offline)
@@ -519,7 +519,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
             server=not args.peer_no_server, server_args=shlex.split(args.peer_server_args))
         doc["llama_cpp"]["specserve_threads"] = torch.get_num_threads()
         peer = doc["llama_cpp"]
-        print(f"llama.cpp peer: native build {peer['build_number']} ({peer['llama_cpp_dir']}), -t {threads} "
+        print(f"llama.cpp peer: {peer['build']} ({peer['llama_cpp_dir']}), -t {threads} "
               f"(specserve torch threads {torch.get_num_threads()}), batch 1, median of {args.repeats}")
     print(report.offline_table(batches, peer=doc.get("llama_cpp")))
     print(report.sources_lines(batches))
