@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import logging
 import os
@@ -39,7 +38,7 @@ from specserve.engine.async_engine import (
     AsyncEngine,
 )
 from specserve.engine.engine import Engine
-from specserve.server import embeddings, webui
+from specserve.server import embeddings, responses, webui
 from specserve.server import protocol as proto
 from specserve.server.errors import APIError, as_api_error
 from specserve.server.protocol import (
@@ -48,6 +47,7 @@ from specserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from specserve.server.responses_items import ResponseStore
 from specserve.server.serving import (
     Run,
     chat_chunks,
@@ -58,9 +58,10 @@ from specserve.server.serving import (
     events,
     sse_response,
     start,
+    start_chat,
 )
 from specserve.server.state import ServerState
-from specserve.server.tools import PARSERS, detect_parser, tool_plan, with_tools
+from specserve.server.tools import PARSERS, detect_parser
 
 log = logging.getLogger("specserve.server")
 
@@ -194,6 +195,7 @@ def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None 
     _add_routes(app, state)
     app.include_router(webui.make_router(aengine.get_metrics, state.served_name))  # GET /: the web UI
     app.include_router(embeddings.make_router(state, pooler_config))  # POST /v1/embeddings
+    app.include_router(responses.make_router(state, ResponseStore()))  # /v1/responses
     return app
 
 
@@ -317,30 +319,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         try:
-            state.check_model(body.model)
-            plan = tool_plan(body, state.tool_parser)
-            if ignored := body.ignored_fields():
-                log.debug("chat completion: ignoring %s (no meaning on this server)", ", ".join(ignored))
-            messages = with_tools(state.chat_template, [m.template_dict() for m in body.messages], plan)
-            ids = state.tokenizer.apply_chat_template(messages, body.add_generation_prompt, plan.template_tools,
-                                                      body.template_kwargs())
-            state.check_prompt_tokens(len(ids), "messages")
-            max_tokens = body.resolve_max_tokens(len(ids), state.max_model_len)
-            params = body.sampling_params(max_tokens, body.num_logprobs())
-            constraint = plan.constraint(params.structured_outputs, body.constraint_param() == "response_format")
-            if constraint is not params.structured_outputs:
-                params = dataclasses.replace(params, structured_outputs=constraint)
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
-            streams = await start(state, rid, [ids], params, body.speculative is not False)
+            run = await start_chat(state, body, f"chatcmpl-{uuid.uuid4().hex}")
         except Exception as e:
             return as_api_error(e, chat_fields, body.constraint_param() or "tools").response()
-        run = Run(state, rid, streams, params, body.include_usage)
-        run.tool_plan = plan
-        run.metadata = body.metadata
-        if plan.active and plan.mode in ("auto", "required"):
-            run.cut = plan.repeat_cut
-        run.prompt_field = body.prompt_logprobs is not None  # non-streamed responses carry them
-        run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
         if body.stream:
             return sse_response(events(run, chat_chunks(run), "chat.completion.chunk"))
         try:

@@ -29,7 +29,7 @@ from specserve.server.errors import APIError, as_api_error
 from specserve.server.metrics import RequestTimer
 from specserve.server.protocol import Delta, ErrorResponse
 from specserve.server.state import ServerState
-from specserve.server.tools import ToolPlan
+from specserve.server.tools import ToolPlan, tool_plan, with_tools
 
 log = logging.getLogger("specserve.server")
 
@@ -93,6 +93,34 @@ async def start(state: ServerState, base_id: str, prompts: list[str | list[int]]
             s.abort()
         raise
     return streams
+
+
+async def start_chat(state: ServerState, body: proto.ChatCompletionRequest, rid: str) -> Run:
+    """A chat request's run (``/v1/chat/completions``, and ``/v1/responses`` through it): the conversation
+    rendered with the chat template (tools, template variables), the tool choice's grammar, the engine request
+    started. Raises APIError / ValueError for bad input (before anything is streamed)."""
+    state.check_model(body.model)
+    plan = tool_plan(body, state.tool_parser)
+    if ignored := body.ignored_fields():
+        log.debug("chat completion: ignoring %s (no meaning on this server)", ", ".join(ignored))
+    messages = with_tools(state.chat_template, [m.template_dict() for m in body.messages], plan)
+    ids = state.tokenizer.apply_chat_template(messages, body.add_generation_prompt, plan.template_tools,
+                                              body.template_kwargs())
+    state.check_prompt_tokens(len(ids), "messages")
+    max_tokens = body.resolve_max_tokens(len(ids), state.max_model_len)
+    params = body.sampling_params(max_tokens, body.num_logprobs())
+    constraint = plan.constraint(params.structured_outputs, body.constraint_param() == "response_format")
+    if constraint is not params.structured_outputs:
+        params = dataclasses.replace(params, structured_outputs=constraint)
+    streams = await start(state, rid, [ids], params, body.speculative is not False)
+    run = Run(state, rid, streams, params, body.include_usage)
+    run.tool_plan = plan
+    run.metadata = body.metadata
+    if plan.active and plan.mode in ("auto", "required"):
+        run.cut = plan.repeat_cut
+    run.prompt_field = body.prompt_logprobs is not None  # non-streamed responses carry them
+    run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
+    return run
 
 
 class Run:
