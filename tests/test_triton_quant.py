@@ -1,4 +1,4 @@
-"""Triton int4 / int8 weight-only matmuls vs the pure-torch references, and the references vs a dequantization
+"""Triton int4 / int8 / grouped int8 weight-only matmuls vs the pure-torch references, and the references vs a dequantization
 written out by hand from the format (so a wrong nibble order or group index fails here, not only in a model).
 
 On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported);
@@ -22,6 +22,8 @@ from specserve.model import triton_quant  # noqa: E402
 from specserve.model.triton_quant import (  # noqa: E402
     int4_matmul,
     int4_matmul_reference,
+    int8_group_matmul,
+    int8_group_matmul_reference,
     int8_matmul,
     int8_matmul_reference,
 )
@@ -97,6 +99,15 @@ def _int8_case(M, N, K, *, seed=0, x_dtype=torch.float32):
     return x.to(x_dtype).to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE)
 
 
+def _int8_group_case(M, N, K, G, *, seed=0, x_dtype=torch.float32):
+    """Codes over the whole int8 range and fp16-valued scales per group (as GGUF's Q8_0 / Q6_K hold them)."""
+    g = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = (torch.rand(N, K // G, generator=g) * 0.02 + 0.001).half().float()
+    x = torch.randn(M, K, generator=g)
+    return x.to(x_dtype).to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE)
+
+
 def _int4_by_hand(codes, scales, mins, G):
     """w[n, k] = scales[n, k // G] * code[n, k] + mins[n, k // G], in fp64, by explicit index gather."""
     g_of_k = torch.arange(codes.shape[1], device=codes.device) // G  # [K]
@@ -140,6 +151,59 @@ def test_int8_matches_reference(M, N, K):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 
 
+# (N, K, group_size): BLOCK_K is 16 (Q6_K) / 32 (Q8_0, Q5_0) / 64; BLOCK_N = 64, so N = 40 and 70 leave masked
+# columns; K = 256 and 768 (one and three Q6_K super-blocks).
+INT8_GROUP_SHAPES = [
+    (40, 256, 16),
+    (70, 768, 16),
+    (40, 256, 32),
+    (70, 768, 32),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("M", [1, 3, 17, 40])  # BLOCK_M 16 (masked rows), 32, 64 (M = 40 masks 24 of 64)
+@pytest.mark.parametrize("N,K,G", INT8_GROUP_SHAPES)
+def test_int8_group_matches_reference(M, N, K, G):
+    x, qweight, scales = _int8_group_case(M, N, K, G, seed=M * 1000 + K + G)
+    ref = int8_group_matmul_reference(x, qweight, scales, G)
+    out = int8_group_matmul(x, qweight, scales, G)
+    assert out.shape == (M, N) and out.dtype == x.dtype
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", _half_params())
+@pytest.mark.parametrize("M", [1, 17])
+@pytest.mark.parametrize("K,G", [(256, 16), (768, 32)])
+def test_int8_group_half_precision_activations(dtype, M, K, G):
+    # The codes are exact in fp16 / bf16, so the kernel's only rounding beyond fp32 is the output's.
+    N = 40
+    x, qweight, scales = _int8_group_case(M, N, K, G, seed=61 + M + G, x_dtype=dtype)
+    out = int8_group_matmul(x, qweight, scales, G)
+    ref = int8_group_matmul_reference(x, qweight, scales, G)
+    assert out.dtype == dtype
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3  # |y| ~ 10: an output ulp or two, relative
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    # Scales in the compute dtype are accepted too (the format allows either).
+    out_s = int8_group_matmul(x, qweight, scales.to(dtype), G)
+    torch.testing.assert_close(out_s.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_triton
+def test_int8_group_wrong_group_is_caught():
+    # The same codes with their scales read as the other group size must differ: the grouping is checked.
+    M, N, K = 3, 40, 256
+    x, qweight, scales16 = _int8_group_case(M, N, K, 16, seed=71)
+    scales32 = scales16[:, 0::2].contiguous()  # a group-32 tensor from every other group-16 scale
+    good = int8_group_matmul(x, qweight, scales16, 16)
+    want = torch.einsum("mk,nk,nk->mn", x.double(), qweight.double(),
+                        scales16.double().repeat_interleave(16, 1))
+    assert (good.double() - want).abs().max().item() < 1e-4
+    other = int8_group_matmul(x, qweight, scales32, 32)
+    assert (other.double() - want).abs().max().item() > 0.1
+
+
 @needs_triton
 def test_prefill_sized_m_and_strided_x():
     # M = 70: BLOCK_M 64, two row tiles; x a column slice of a wider buffer (row stride != K).
@@ -153,6 +217,9 @@ def test_prefill_sized_m_and_strided_x():
                                int4_matmul_reference(x, qweight, scales, mins, G), rtol=1e-5, atol=1e-4)
     _, q8, s8 = _int8_case(M, N, K, seed=12)
     torch.testing.assert_close(int8_matmul(xs, q8, s8), int8_matmul_reference(x, q8, s8), rtol=1e-5, atol=1e-4)
+    _, qg, sg = _int8_group_case(M, N, K, 32, seed=13)
+    torch.testing.assert_close(int8_group_matmul(xs, qg, sg, 32), int8_group_matmul_reference(x, qg, sg, 32),
+                               rtol=1e-5, atol=1e-4)
 
 
 @needs_triton
@@ -180,6 +247,8 @@ def test_empty_batch():
     assert int4_matmul(x, _pack(codes), scales, mins, 32).shape == (0, 40)
     x, q8, s8 = _int8_case(0, 40, 96)
     assert int8_matmul(x, q8, s8).shape == (0, 40)
+    x, qg, sg = _int8_group_case(0, 40, 96, 16)
+    assert int8_group_matmul(x, qg, sg, 16).shape == (0, 40)
 
 
 # -- the references against the format, written out by hand -----------------------------------------------
@@ -193,6 +262,17 @@ def test_int4_reference_matches_dequantize_by_hand(G):
     assert (ref.double() - want).abs().max().item() < 1e-4
     # Spot-check the packing convention itself on one byte: k = 2 in the low nibble, k = 3 in the high one.
     assert _pack(codes)[1, 1].item() == codes[1, 2].item() + 16 * codes[1, 3].item()
+
+
+@pytest.mark.parametrize("G", [8, 16, 32])  # 8: the reference takes any divisor of K, the kernel multiples of 16
+def test_int8_group_reference_matches_dequantize_by_hand(G):
+    M, N, K = 3, 5, 64
+    x, qweight, scales = _int8_group_case(M, N, K, G, seed=33)
+    ref = int8_group_matmul_reference(x, qweight, scales, G)
+    g_of_k = torch.arange(K, device=qweight.device) // G  # [K]
+    want = x.double() @ (qweight.double() * scales.double()[:, g_of_k]).T
+    assert ref.dtype == x.dtype
+    assert (ref.double() - want).abs().max().item() < 1e-4
 
 
 def test_int8_reference_matches_dequantize_by_hand():
@@ -236,6 +316,33 @@ def test_argument_checks():
             int4_matmul(x, qweight, scales.repeat_interleave(2, 1), mins.repeat_interleave(2, 1), 16)
 
 
+@pytest.mark.parametrize("impl", [
+    int8_group_matmul_reference,
+    pytest.param(int8_group_matmul, marks=needs_triton),
+])
+def test_int8_group_argument_checks(impl):
+    x, qweight, scales = _int8_group_case(2, 8, 64, 16)
+    with pytest.raises(ValueError, match="x must be a 2-D"):
+        impl(x[None], qweight, scales, 16)
+    with pytest.raises(ValueError, match="x must be a 2-D float"):
+        impl(x.to(torch.int32), qweight, scales, 16)
+    with pytest.raises(ValueError, match=r"qweight must be int8 \[N, K = 64\]"):
+        impl(x, qweight.to(torch.uint8), scales, 16)
+    with pytest.raises(ValueError, match=r"qweight must be int8 \[N, K = 32\]"):
+        impl(x[:, :32], qweight, scales, 16)
+    with pytest.raises(ValueError, match="group_size 24 must be positive and divide K = 64"):
+        impl(x, qweight, scales, 24)
+    with pytest.raises(ValueError, match="group_size 0"):
+        impl(x, qweight, scales, 0)
+    with pytest.raises(ValueError, match=r"scales must be a float \[N, K // group_size\] = \[8, 2\]"):
+        impl(x, qweight, scales, 32)  # group-16 scales passed as group 32
+    with pytest.raises(ValueError, match="scales must be a float"):
+        impl(x, qweight, scales.to(torch.int32), 16)
+    if impl is int8_group_matmul:
+        with pytest.raises(ValueError, match="multiple of 16, got 8"):
+            impl(x, qweight, scales.repeat_interleave(2, 1), 8)
+
+
 def test_module_imports_without_triton(monkeypatch):
     # A fresh copy of the module with `import triton` failing: the references work, the kernels say why not.
     monkeypatch.setitem(sys.modules, "triton", None)
@@ -253,6 +360,59 @@ def test_module_imports_without_triton(monkeypatch):
         mod.int4_matmul(x, qweight, scales, mins, 32)
     with pytest.raises(ImportError, match="pip install triton"):
         mod.int8_matmul(*_int8_case(2, 8, 64))
+    xg, qg, sg = _int8_group_case(2, 8, 64, 16)
+    torch.testing.assert_close(mod.int8_group_matmul_reference(xg, qg, sg, 16),
+                               int8_group_matmul_reference(xg, qg, sg, 16))
+    with pytest.raises(ImportError, match="pip install triton"):
+        mod.int8_group_matmul(xg, qg, sg, 16)
+
+
+# -- the packed weight the engine holds (quant.TritonQuant8Weight) ---------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("G", [16, 32])
+def test_triton_quant8_weight(G):
+    from specserve.model.quant import QuantizedTensor, TritonQuant8Weight
+
+    M, N, K = 3, 40, 256
+    x, qweight, scales = _int8_group_case(M, N, K, G, seed=81 + G)
+    qt = QuantizedTensor(8, qweight, scales, None)
+    assert qt.group == G
+    w = TritonQuant8Weight(qt, torch.device(DEVICE))
+    assert w.packed.dtype == torch.int8 and w.shape == (N, K) and w.bits == 8
+    back = w.unpacked()
+    assert back.bits == 8 and back.mins is None and back.group == G
+    assert torch.equal(back.codes, qt.codes) and torch.equal(back.scales, qt.scales)
+    torch.testing.assert_close(w.dequantize(), qt.dequantize())
+    want = x @ qt.dequantize().T
+    torch.testing.assert_close(w(x), want, rtol=1e-5, atol=1e-4)
+    # forward() flattens leading dimensions: [B, T, K] -> [B, T, N]
+    torch.testing.assert_close(w(x.view(1, M, K)), want.view(1, M, N), rtol=1e-5, atol=1e-4)
+
+
+def test_pack_picks_the_triton_weight_by_format():
+    # pack() only builds the modules here (no kernel runs): 8 bits in groups of 16 / 32 -> TritonQuant8Weight,
+    # 4 bits in groups of 32 -> TritonQuantWeight; an 8-bit group the kernel cannot take stays dense.
+    from specserve.model.quant import (
+        DenseWeight,
+        QuantizedTensor,
+        TritonQuant8Weight,
+        TritonQuantWeight,
+        pack,
+    )
+
+    cpu = torch.device("cpu")
+    N, K = 8, 64
+    codes8 = torch.randint(-128, 128, (N, K), dtype=torch.int8)
+    for G in (16, 32):
+        qt = QuantizedTensor(8, codes8, torch.rand(N, K // G), None)
+        assert isinstance(pack(qt, "triton", cpu, torch.float32), TritonQuant8Weight)
+    codes4 = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    q4 = QuantizedTensor(4, codes4, torch.rand(N, K // 32), torch.rand(N, K // 32))
+    assert isinstance(pack(q4, "triton", cpu, torch.float32), TritonQuantWeight)
+    q8_g8 = QuantizedTensor(8, codes8, torch.rand(N, K // 8), None)
+    assert isinstance(pack(q8_g8, "triton", cpu, torch.float32), DenseWeight)
+    with pytest.raises(ValueError, match="groups of 8"):
+        TritonQuant8Weight(q8_g8, cpu)
 
 
 # -- device ----------------------------------------------------------------------------------------------

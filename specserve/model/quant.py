@@ -356,6 +356,27 @@ class TritonQuantWeight(_Quantized):
         return int4_matmul(x.contiguous(), self.packed, self.scales, self.mins, GROUP)
 
 
+class TritonQuant8Weight(_Quantized):
+    """GPU Triton kernel of ``triton_quant.py`` for 8-bit codes (Q8_0, Q5_0, Q6_K) as is, int8 [N, K], with a
+    scale per group of 32 or 16 (``int8_group_matmul``: any group that is a multiple of 16)."""
+
+    def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
+        if qt.bits != 8 or qt.group % 16:
+            raise ValueError(f"TritonQuant8Weight takes 8-bit weights in groups of a multiple of 16, got "
+                             f"{qt.bits} bits in groups of {qt.group}")
+        super().__init__(qt, device)
+        self.group = qt.group
+        self.register_buffer("packed", qt.codes.contiguous().to(device))
+
+    def unpacked(self) -> QuantizedTensor:
+        return QuantizedTensor(8, self.packed, self.scales, None)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from specserve.model.triton_quant import int8_group_matmul
+
+        return int8_group_matmul(x.contiguous(), self.packed, self.scales, self.group)
+
+
 class QuantEmbedding(nn.Module):
     """An embedding table kept in its GGUF blocks (a 1.5B model's fp32 table is 0.9 GB, its Q4_K blocks 0.13):
     ``lookup`` dequantizes only the rows it returns, to the values ``QuantizedTensor.dequantize`` gives (the
@@ -430,6 +451,8 @@ def pack(w: torch.Tensor | QuantizedTensor | QuantizedParts, kernels: str | None
             return CpuQuantWeight(w, device)
         if kernels == "triton" and w.bits == 4 and w.group == GROUP:
             return TritonQuantWeight(w, device)
+        if kernels == "triton" and w.bits == 8 and w.group % 16 == 0:
+            return TritonQuant8Weight(w, device)
         w = w.dequantize()
     return DenseWeight(w.to(device=device, dtype=dtype), linear)
 

@@ -8,6 +8,10 @@ Formats (fixed by the rest of the engine):
   [N, K // group_size] (float32 or the compute dtype); ``w[n, k] = scales[n, k // G] * code[n, k] +
   mins[n, k // G]``.
 - int8: ``qweight`` int8 [N, K], ``scales`` float32 [N]; ``w[n, k] = qweight[n, k] * scales[n]``.
+- grouped int8 (GGUF Q8_0 / Q5_0 with group 32, Q6_K with group 16, held as 8-bit codes): ``qweight`` int8
+  [N, K], ``scales`` [N, K // group_size] (float32 or the compute dtype);
+  ``w[n, k] = qweight[n, k] * scales[n, k // G]``. The kernel takes any group size that divides K and is a
+  multiple of 16.
 
 Kernel design (grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``, one fp32 [BLOCK_M, BLOCK_N] tile per program,
 walking K in ``BLOCK_K`` steps):
@@ -20,6 +24,10 @@ walking K in ``BLOCK_K`` steps):
   itself; the scale and min are applied in fp32.
 - int8: codes -128..127 are exact in fp16 / bf16 as well; the per-row scale is constant along K, so it is
   applied once to the finished accumulator.
+- grouped int8: as int4, ``BLOCK_K`` (64 / 32 / 16) divides the group size, so a K step lies in one group;
+  the step's int8 tile is cast to the activations' dtype (exact), dotted with ``x`` into a fresh fp32
+  [BLOCK_M, BLOCK_N] tile, and that tile is multiplied by the group's [BLOCK_N] scales in fp32 before it is
+  added to the accumulator: ``sum_k x[k] s c[k] = s * sum_k x[k] c[k]``.
 - ``BLOCK_M`` is at least 16 (``tl.dot`` needs >= 16 on GPUs; decode's M = 1..8 rows are masked), up to 64
   for prefill so each dequantized weight tile is reused by more rows.
 - fp32 activations dot with ``input_precision="ieee"`` (no TF32), the others in their own dtype with fp32
@@ -71,6 +79,16 @@ def int8_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     return (x.to(torch.float32) @ w.T).to(x.dtype)
 
 
+def int8_group_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                                group_size: int) -> torch.Tensor:
+    """``x @ w.T`` with ``w`` dequantized to float32 from the grouped int8 format above; result in ``x.dtype``."""
+    # x: [M, K]; qweight: int8 [N, K]; scales: [N, K // group_size] -> [M, N]
+    _check_int8_group(x, qweight, scales, group_size, kernel=False)
+    s = scales.to(torch.float32).repeat_interleave(group_size, dim=1)  # [N, K]
+    w = qweight.to(torch.float32) * s
+    return (x.to(torch.float32) @ w.T).to(x.dtype)
+
+
 # -- argument checks (shared) -----------------------------------------------------------------------------
 def _check_x(x: torch.Tensor) -> None:
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
@@ -102,6 +120,22 @@ def _check_int8(x, qweight, scales) -> None:
     if tuple(scales.shape) != (qweight.shape[0],) or scales.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"int8 scales must be a float [N] = [{qweight.shape[0]}] tensor, got "
                          f"{tuple(scales.shape)} {scales.dtype}")
+
+
+def _check_int8_group(x, qweight, scales, group_size, *, kernel: bool) -> None:
+    _check_x(x)
+    K = x.shape[1]
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[1] != K:
+        raise ValueError(f"grouped int8 qweight must be int8 [N, K = {K}], got {tuple(qweight.shape)} "
+                         f"{qweight.dtype}")
+    if group_size <= 0 or K % group_size:
+        raise ValueError(f"group_size {group_size} must be positive and divide K = {K}")
+    if kernel and group_size % 16:
+        raise ValueError(f"the Triton grouped int8 kernel needs group_size to be a multiple of 16, got {group_size}")
+    want = (qweight.shape[0], K // group_size)
+    if tuple(scales.shape) != want or scales.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"grouped int8 scales must be a float [N, K // group_size] = {list(want)} tensor, "
+                         f"got {tuple(scales.shape)} {scales.dtype}")
 
 
 # -- Triton kernels -----------------------------------------------------------------------------------------
@@ -183,10 +217,42 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+    @triton.jit
+    def _int8_group_matmul_kernel(
+        out_ptr, x_ptr, q_ptr, scales_ptr,
+        M, N, K, group_size,
+        stride_xm, stride_xk,
+        stride_qn, stride_qk,
+        stride_sn, stride_sg,
+        stride_om, stride_on,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """One [BLOCK_M, BLOCK_N] output tile; ``BLOCK_K`` divides ``group_size`` (one group per K step) and so
+        K (a multiple of the group size): the K steps need no mask."""
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+        q_cols = q_ptr + rn.to(tl.int64)[None, :] * stride_qn  # [1, BLOCK_N]: the weight tile is read as w.T
+        s_rows = scales_ptr + rn.to(tl.int64) * stride_sn  # [BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            xt = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+            q = tl.load(q_cols + k[:, None] * stride_qk, mask=n_ok[None, :], other=0)  # int8 [BLOCK_K, BLOCK_N]
+            dot = tl.dot(xt, q.to(xt.dtype), input_precision="ieee")  # int8 codes: exact; fp32 [BLOCK_M, BLOCK_N]
+            s = tl.load(s_rows + (k0 // group_size) * stride_sg, mask=n_ok, other=0.0).to(tl.float32)  # [BLOCK_N]
+            acc += dot * s[None, :]
+        out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn.to(tl.int64)[None, :] * stride_on
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 def _require_triton() -> None:
     if triton is None:
         raise ImportError("the Triton quantized matmuls need Triton: `pip install triton` "
-                          "(or `pip install specserve[triton]`), or use int4/int8_matmul_reference")
+                          "(or `pip install specserve[triton]`), or use the *_matmul_reference functions")
 
 
 def _block_m(M: int) -> int:
@@ -204,6 +270,14 @@ def _int4_block_k(group_size: int) -> int:
         if group_size % b == 0:
             return b
     raise ValueError(f"group_size {group_size} is not a multiple of 32")  # pragma: no cover - checked before
+
+
+def _int8_group_block_k(group_size: int) -> int:
+    """Largest of 64 / 32 / 16 dividing the group size (16 for Q6_K, 32 for Q8_0 / Q5_0)."""
+    for b in (64, 32, 16):
+        if group_size % b == 0:
+            return b
+    raise ValueError(f"group_size {group_size} is not a multiple of 16")  # pragma: no cover - checked before
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -249,5 +323,28 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
         M, N, K,
         *x.stride(), *qweight.stride(), *scales.stride(), *out.stride(),
         BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_INT8_BLOCK_K,
+    )
+    return out
+
+
+def int8_group_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Triton version of ``int8_group_matmul_reference`` (group_size a multiple of 16 dividing K)."""
+    # x: [M, K]; qweight: int8 [N, K]; scales: [N, K // group_size] -> [M, N] in x.dtype
+    _require_triton()
+    _check_int8_group(x, qweight, scales, group_size, kernel=True)
+    M, K = x.shape
+    N = qweight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    block_m = _block_m(M)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, _BLOCK_N))
+    _int8_group_matmul_kernel[grid](
+        out, x, qweight, scales,
+        M, N, K, group_size,
+        *x.stride(), *qweight.stride(), *scales.stride(), *out.stride(),
+        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_int8_group_block_k(group_size),
     )
     return out
