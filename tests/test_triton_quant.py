@@ -432,3 +432,17 @@ def test_gpu_realistic_shapes(dtype, M):
     ref8 = int8_matmul_reference(x8, q8, s8).float()
     out8 = int8_matmul(x8, q8, s8).float()
     assert (out8 - ref8).abs().max().item() < tol * max(1.0, ref8.abs().max().item())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 8, 300])
+@pytest.mark.parametrize("G", [16, 32])
+def test_gpu_int8_group_realistic_shapes(dtype, M, G):
+    N, K = 4096, 4096
+    x, qweight, scales = _int8_group_case(M, N, K, G, seed=53, x_dtype=dtype)
+    ref = int8_group_matmul_reference(x, qweight, scales, G).float()
+    out = int8_group_matmul(x, qweight, scales, G).float()
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    assert (out - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
