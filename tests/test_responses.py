@@ -13,7 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
+slow = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -21,6 +22,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
 PARIS = "What is the weather in Paris?"
 
 
+@slow
 def test_plain_create(client):
     r = client.responses.create(model=MODEL, input="Say hi", instructions="Be brief.", max_output_tokens=16,
                                 temperature=0, metadata={"k": "v"})
@@ -32,6 +34,7 @@ def test_plain_create(client):
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
 
 
+@slow
 def test_streamed_text_events(client):
     """The semantic events in order, deltas adding up to the final text, which equals the non-streamed one."""
     kw = dict(model=MODEL, input="Count from one to five.", max_output_tokens=24, temperature=0)
@@ -52,6 +55,7 @@ def test_streamed_text_events(client):
     assert deltas == final.output_text == plain.output_text
 
 
+@slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_function_tool(client, stream):
     kw = dict(model=MODEL, input=PARIS, tools=[WEATHER], tool_choice="required", temperature=0)
@@ -73,6 +77,7 @@ def test_function_tool(client, stream):
     assert follow.output_text
 
 
+@slow
 def test_named_tool_choice_and_responses_stream(client):
     with client.responses.stream(model=MODEL, input=PARIS, tools=[WEATHER], temperature=0,
                                  tool_choice={"type": "function", "name": "get_weather"}) as stream:
@@ -81,6 +86,7 @@ def test_named_tool_choice_and_responses_stream(client):
     assert call.type == "function_call" and "city" in json.loads(call.arguments)
 
 
+@slow
 def test_previous_response_id_and_store(server, client):
     first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=8, temperature=0)
     second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
@@ -97,6 +103,7 @@ def test_previous_response_id_and_store(server, client):
         client.responses.create(model=MODEL, input="?", previous_response_id=unstored.id)
 
 
+@slow
 def test_text_format_json_schema(client):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "sunny": {"type": "boolean"}},
@@ -107,6 +114,7 @@ def test_text_format_json_schema(client):
     jsonschema.validate(json.loads(r.output_text), schema)
 
 
+@slow
 @pytest.mark.parametrize(("kw", "param", "match"), [
     ({"tools": [{"type": "web_search"}]}, "tools", "hosted tool"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools", "hosted tool"),
@@ -128,6 +136,7 @@ def test_unsupported_is_a_400(server, kw, param, match):
         assert err["param"] == param
 
 
+@slow
 def test_openai_agents_agent_calls_a_function_tool(server):
     """openai-agents' default model is the Responses API: with tool_choice "required" the agent receives the
     call and runs the tool, then (tool choice reset to auto, as the library does) answers in text; streamed,
@@ -158,3 +167,26 @@ def test_openai_agents_agent_calls_a_function_tool(server):
     final, streamed_final = asyncio.run(main())
     assert calls[0] == "Paris" and isinstance(final, str) and final
     assert len(calls) == 2 and streamed_final == f"18 C and sunny in {calls[1]}"
+
+
+def test_store_is_bounded_and_per_key():
+    from specserve.server.responses_items import ResponseStore
+
+    store = ResponseStore(capacity=3, max_chars=2000)
+    a, b = store.owner("Bearer a"), store.owner("Bearer b")
+
+    def resp(i: int, text: str = "x") -> dict:
+        return {"id": f"resp_{i}", "output": [{"type": "message", "content": [{"text": text}]}]}
+
+    for i in range(4):
+        store.put(a, resp(i), [{"role": "user", "content": "hi"}])
+    with pytest.raises(Exception, match="not found"):
+        store.get(a, "resp_0")  # the least recently used went first
+    assert store.get(a, "resp_3")[0][-1] == {"role": "assistant", "content": "x"}
+    with pytest.raises(Exception, match="not found"):
+        store.get(b, "resp_3")
+    store.put(a, resp(9, "y" * 800), [])  # ~1,750 characters: the oldest two make room
+    assert store.num_chars <= 2000 and len(store._items) == 2 and store.get(a, "resp_9")
+    store.put(a, resp(10, "z" * 5000), [])  # larger than the whole store: not kept
+    with pytest.raises(Exception, match="not found"):
+        store.get(a, "resp_10")

@@ -13,6 +13,7 @@ file search, computer use, code interpreter, MCP, ...) are a 400.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from specserve.server.errors import APIError
 from specserve.server.protocol import ChatCompletionRequest, _Strict
 
 MAX_STORED_RESPONSES = 1024  # per server, least recently used dropped first
+MAX_STORED_CHARS = 64 << 20  # and at most this much JSON text in all
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
@@ -249,12 +251,15 @@ def response_object(body: ResponsesRequest, rid: str, created: int, status: str,
 
 class ResponseStore:
     """Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``: per API key (a hash of the
-    bearer token; responses under one key are invisible under another), at most ``capacity`` in all, the
-    least recently used dropped first. In memory: gone on restart."""
+    bearer token; responses under one key are invisible under another), at most ``capacity`` responses and
+    ``max_chars`` characters of JSON in all, the least recently used dropped first. In memory: gone on
+    restart."""
 
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS) -> None:
+        self.capacity, self.max_chars = capacity, max_chars
         self._items: OrderedDict[tuple[str, str], tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}
+        self.num_chars = 0
 
     @staticmethod
     def owner(authorization: str | None) -> str:
@@ -262,10 +267,17 @@ class ResponseStore:
 
     def put(self, owner: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         key = (owner, response["id"])
-        self._items[key] = (conversation + assistant_turn(response["output"]), response)
+        kept = conversation + assistant_turn(response["output"])
+        size = len(json.dumps(kept, ensure_ascii=False)) + len(json.dumps(response, ensure_ascii=False))
+        if size > self.max_chars:
+            return  # larger than the whole store: not kept
+        self._items[key] = (kept, response)
+        self.num_chars += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
         self._items.move_to_end(key)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        while len(self._items) > self.capacity or self.num_chars > self.max_chars:
+            old, _ = self._items.popitem(last=False)
+            self.num_chars -= self._sizes.pop(old)
 
     def get(self, owner: str, rid: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(the conversation so far, the response object); a 404 in OpenAI's shape when not kept."""
