@@ -223,8 +223,33 @@ def llama_cpp_only(args: argparse.Namespace, thread_counts: list[int]) -> dict:
 
 
 # -- served -------------------------------------------------------------------------------------------------------
-def served(args: argparse.Namespace, extra: list[str], thread_counts: list[int], out: str) -> dict:
+def served_round(args: argparse.Namespace, configs: dict[str, list[str]], server_exe: str, model: str, t: int,
+                 load: dict, out: str, commands: dict[str, str]) -> dict[str, float]:
+    """One round: each specserve configuration, then llama-server, on the same load; output tok/s by engine."""
     from specserve.bench.serve import LaunchedServer, run_load
+
+    figs: dict[str, float] = {}
+    for name, serve_args in configs.items():
+        srv = LaunchedServer(serve_args, os.path.join(out, f"{name.replace(' ', '_')}-t{t}.log"))
+        try:
+            srv.wait_ready(600)
+            s = asyncio.run(run_load(srv.url, **load))
+        finally:
+            srv.stop()
+        commands[name] = f"SPECSERVE_NUM_THREADS={t} specserve serve {shlex.join(serve_args)}"
+        figs[name] = s["output_throughput"]
+    port = lcp.free_port()
+    cmd = lcp.server_command(server_exe, model, t, port, args.llama_server_ctx, shlex.split(args.llama_server_args))
+    with lcp.LlamaServer(cmd, port) as ls:
+        s = asyncio.run(run_load(ls.url, **load))
+    commands["llama-server"] = shlex.join(cmd)
+    figs["llama-server"] = s["output_throughput"]
+    if s["failed"]:
+        print(f"llama-server: {s['failed']} requests failed: {s['errors']}", file=sys.stderr)
+    return figs
+
+
+def served(args: argparse.Namespace, extra: list[str], thread_counts: list[int], out: str) -> dict:
     from specserve.datasets import load_dataset
     from specserve.model.loader import default_model_path
 
@@ -236,6 +261,7 @@ def served(args: argparse.Namespace, extra: list[str], thread_counts: list[int],
         "specserve": [model, *extra]}
     tok_s: dict[tuple, list[float]] = {}
     commands: dict[str, str] = {}
+    foreign_share: list[float] = []
     for t in thread_counts:
         os.environ["SPECSERVE_NUM_THREADS"] = str(t)
         for ds in datasets:
@@ -244,24 +270,12 @@ def served(args: argparse.Namespace, extra: list[str], thread_counts: list[int],
                         ignore_eos=args.ignore_eos, endpoint="chat", progress=False)
             for r in range(args.repeats):
                 print(f"served: threads {t}, {ds}, round {r + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
-                for name, serve_args in configs.items():
-                    srv = LaunchedServer(serve_args, os.path.join(out, f"{name.replace(' ', '_')}-t{t}.log"))
-                    try:
-                        srv.wait_ready(600)
-                        s = asyncio.run(run_load(srv.url, **load))
-                    finally:
-                        srv.stop()
-                    commands[name] = f"SPECSERVE_NUM_THREADS={t} specserve serve {shlex.join(serve_args)}"
-                    tok_s.setdefault((t, ds, name), []).append(s["output_throughput"])
-                port = lcp.free_port()
-                n_ctx = args.llama_server_ctx
-                cmd = lcp.server_command(server_exe, model, t, port, n_ctx, shlex.split(args.llama_server_args))
-                with lcp.LlamaServer(cmd, port) as ls:
-                    s = asyncio.run(run_load(ls.url, **load))
-                commands["llama-server"] = shlex.join(cmd)
-                tok_s.setdefault((t, ds, "llama-server"), []).append(s["output_throughput"])
-                if s["failed"]:
-                    print(f"llama-server: {s['failed']} requests failed: {s['errors']}", file=sys.stderr)
+                figs, foreign = guarded(args, f"served: threads {t}, {ds}, round {r + 1}",
+                                        partial(served_round, args, configs, server_exe, model, t, load, out,
+                                                commands))
+                foreign_share.append(foreign)
+                for name, v in figs.items():
+                    tok_s.setdefault((t, ds, name), []).append(v)
     for name, c in commands.items():
         print(f"{name}: {c}")
     print(f"OpenAI API, /v1/chat/completions streaming, greedy, concurrency {args.concurrency}, "
@@ -269,7 +283,8 @@ def served(args: argparse.Namespace, extra: list[str], thread_counts: list[int],
     keys = [(t, ds) for t in thread_counts for ds in datasets]
     rows, summary = median_table(tok_s, keys, [*configs, "llama-server"], ["llama-server"])
     print_table(["threads", "workload", "engine", "output tok/s (median)", "vs llama-server"], rows)
-    return {"commands": commands, "rows": summary}
+    print(foreign_line(foreign_share))
+    return {"commands": commands, "rows": summary, "foreign_cpu_share": foreign_share}
 
 
 def main() -> int:
