@@ -28,6 +28,7 @@ from specserve.server.protocol import _Strict
 from specserve.server.state import ServerState
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+MAX_INPUTS = 2048  # OpenAI's limit per request
 # How long an embedding request waits for free KV blocks while generation requests hold them.
 KV_WAIT_S = 30.0
 
@@ -67,6 +68,8 @@ class EmbeddingRequest(_Strict):
         items: list[str | list[int]] = [x] if isinstance(x, str) or (x and isinstance(x[0], int)) else list(x)
         if not items or any(len(i) == 0 for i in items):
             raise ValueError("input must not be empty (nor hold an empty string or token list)")
+        if len(items) > MAX_INPUTS:
+            raise ValueError(f"input has {len(items)} items; at most {MAX_INPUTS} per request")
         return items
 
 

@@ -164,6 +164,9 @@ def chat_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> tuple[li
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """``text.format`` as chat's ``response_format``."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object ({'type': 'text' | 'json_object' | 'json_schema'})",
+                       param="text")
     if not fmt or fmt.get("type") in (None, "text"):
         return None
     if fmt.get("type") == "json_schema":
@@ -228,7 +231,8 @@ def assistant_turn(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def response_object(body: ResponsesRequest, rid: str, created: int, status: str, output: list[dict[str, Any]],
                     usage: dict[str, Any] | None, model: str, finish_reason: str | None = None) -> dict[str, Any]:
-    """OpenAI's response object; ``usage`` is chat's (with ``speculative``), renamed."""
+    """OpenAI's response object (``error`` left out: it is only ever null here); ``usage`` is chat's (with
+    ``speculative``), renamed."""
     incomplete = status == "completed" and finish_reason == "length"
     out_usage = None
     if usage is not None:
@@ -237,7 +241,7 @@ def response_object(body: ResponsesRequest, rid: str, created: int, status: str,
                      "total_tokens": usage["total_tokens"], "speculative": usage.get("speculative")}
     return {"id": rid, "object": "response", "created_at": created,
             "status": "incomplete" if incomplete else status,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": body.max_tool_calls, "model": model, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
