@@ -25,6 +25,7 @@ from specserve.model.ops import CpuFusedOps, TorchOps
 from specserve.model.quant import (
     CpuQuantWeight,
     DenseWeight,
+    QuantizedParts,
     QuantizedTensor,
     cat_rows,
     make_packer,
@@ -58,8 +59,10 @@ def test_quantize_error_bounds_and_shapes():
         qt = quantize(w, bits)
         err = (qt.dequantize() - w).abs().view(40, 3, 32).amax(-1)
         assert bool((err <= step * 0.51 + 1e-7).all()), bits
-    fused = cat_rows([quantize(w[:8], 4), quantize(w[8:], 8)])  # mixed widths -> the wider
-    assert fused.bits == 8 and fused.shape == (40, 96)
+    a, b = quantize(w[:8], 4), quantize(w[8:], 8)
+    fused = cat_rows([a, b])  # mixed widths stay parts: neither is requantized
+    assert isinstance(fused, QuantizedParts) and fused.shape == (40, 96)
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     with pytest.raises(CheckpointError, match="not a multiple of the group size 32"):
         quantize(torch.randn(4, 48), 4, "model.layers.0.mlp.down_proj.weight")
 

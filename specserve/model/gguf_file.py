@@ -190,11 +190,15 @@ def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedTensor:
 
 
 def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedTensor:
-    ql = blocks[..., :128].reshape(n, -1, 2, 1, 64)
-    low = torch.cat([ql & 0xF, ql >> 4], dim=3).reshape(n, -1, 8, 32)
-    qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
-    high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)) & 3).reshape(n, -1, 8, 32)
-    codes = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, k)
+    s = blocks.shape[1]
+    codes = torch.empty(n, s, 2, 4, 32, dtype=torch.uint8)  # per half super-block: 4 groups of 32
+    ql = blocks[..., :128].reshape(n, s, 2, 2, 32)  # half h, 32-byte run r: group r (low nibble), r + 2 (high)
+    qh = blocks[..., 128:192].reshape(n, s, 2, 1, 32)  # bit pairs 0-1, 2-3, 4-5, 6-7: groups 0..3 of the half
+    torch.bitwise_and(ql, 0xF, out=codes[:, :, :, 0:2])
+    torch.bitwise_right_shift(ql, 4, out=codes[:, :, :, 2:4])
+    for j in range(4):
+        codes[:, :, :, j] |= ((qh[:, :, :, 0] >> (2 * j)) & 3) << 4
+    codes = codes.view(n, k).sub_(32).view(torch.int8)  # q - 32, wrapping in uint8 then read as int8
     sub = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)  # [N, K / 16]
     d = _half(blocks[..., 208:210])  # [N, S]
     scales = (d[..., None] * sub.view(n, -1, 16).float()).reshape(n, -1)

@@ -240,12 +240,14 @@ class CpuQuantWeight(_Quantized):
         self.tiled = tiled and n % TILE == 0
         g = k // GROUP
         if self.tiled:  # [n / 16, g, chunks, 16 columns, 4 codes]
+            # moved 4 codes at a time (an int32 each: the 4 codes of a column in a chunk stay together)
+            words = qt.codes.contiguous().view(torch.int32).view(n // TILE, TILE, g, 8)
             if qt.bits == 4:  # low nibble: k = 4 j + b of the group, high nibble: 16 + 4 j + b
-                c = qt.codes.view(n // TILE, TILE, g, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
-                packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // TILE, g, 256)
-            else:  # + 128: the kernel's unsigned operand
-                c = (qt.codes.to(torch.int16) + 128).to(torch.uint8).view(n // TILE, TILE, g, 8, 4)
-                packed = c.permute(0, 2, 3, 1, 4).reshape(n // TILE, g, 512)
+                c = words.view(n // TILE, TILE, g, 2, 4).permute(0, 2, 3, 4, 1).contiguous()
+                packed = (c[:, :, 0] | (c[:, :, 1] << 4)).view(torch.uint8).reshape(n // TILE, g, 256)
+            else:  # + 128 (the kernel's unsigned operand): the sign bit of every byte flipped
+                c = words.permute(0, 2, 3, 1).contiguous() ^ torch.tensor(-0x7F7F7F80, dtype=torch.int32)
+                packed = c.view(torch.uint8).reshape(n // TILE, g, 512)
             self.scales = _tiles(self.scales)
             if self.mins is not None:
                 self.mins = _tiles(self.mins)

@@ -137,7 +137,7 @@ template <int H> struct Blob {
   static constexpr int64_t kBytes = 8 * H + 2;
   const uint8_t* p; int64_t G;
   const uint8_t* sb(int64_t n, int64_t g) const { return p + (n * (G / 8) + g / 8) * kBytes; }
-  static float sup(const uint8_t* b) { at::Half h; std::memcpy(&h, b + 8 * H, 2); return static_cast<float>(h); }
+  static float sup(const uint8_t* b) { uint16_t h; std::memcpy(&h, b + 8 * H, 2); return _cvtsh_ss(h); }  // F16C
   // values (g % 8) H .. + 3 of g's super-block: H = 1, groups g .. g + 3; H = 2, [g lo, g hi, g+1 lo, g+1 hi]
   __m128 four(int64_t n, int64_t g) const {
     const uint8_t* b = sb(n, g);
@@ -350,19 +350,24 @@ template <> inline __m512 load16<at::Half>(const at::Half* p) { return _mm512_cv
 //   Plain16<S>: fp32 / fp16 values, [N / 16, G, 16];
 //   Blob16<H>: K-quants' two-level scales (Blob<H> above), per tile and super-block of 8 groups the int8 subs
 //     [8 groups, H, 16 columns] then the 16 columns' fp16 sups: [N / 16, G / 8, 128 H + 32] bytes.
+// ``sup(t, g)`` is read once per super-block by the kernel (Plain16: nothing) and handed back to ``at``.
 template <typename S, int H = 1> struct Plain16 {  // H = 2: [N / 16, G * 2, 16], one per half group
   static constexpr int kHalves = H;
   const S* p; int64_t G;
-  __m512 at(int64_t t, int64_t g, int h) const { return load16<S>(p + ((t * G + g) * H + h) * kTile16); }
+  __m512 sup(int64_t, int64_t) const { return _mm512_setzero_ps(); }
+  __m512 at(int64_t t, int64_t g, int h, __m512) const { return load16<S>(p + ((t * G + g) * H + h) * kTile16); }
 };
 template <int H> struct Blob16 {
   static constexpr int kHalves = H;
   static constexpr int64_t kBytes = 128 * H + 32;
   const uint8_t* p; int64_t G;
-  __m512 at(int64_t t, int64_t g, int h) const {
-    const uint8_t* b = p + (t * (G / 8) + g / 8) * kBytes;
-    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + ((g % 8) * H + h) * kTile16));
-    const __m512 sup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 * H)));
+  const uint8_t* block(int64_t t, int64_t g) const { return p + (t * (G / 8) + g / 8) * kBytes; }
+  __m512 sup(int64_t t, int64_t g) const {
+    if (p == nullptr) return _mm512_setzero_ps();
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block(t, g) + 128 * H)));
+  }
+  __m512 at(int64_t t, int64_t g, int h, __m512 sup) const {
+    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block(t, g) + ((g % 8) * H + h) * kTile16));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub)), sup);
   }
 };
@@ -377,7 +382,9 @@ void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, fl
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 sup = _mm512_setzero_ps(), msup = sup;
     for (int64_t g = 0; g < G; ++g) {
+      if (g % 8 == 0) { sup = sc.sup(t, g); if constexpr (kQ4) msup = mins.sup(t, g); }
       const uint8_t* qg = q + (t * G + g) * bytes;
       for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(qg + kPrefetch + b), _MM_HINT_T0);
       __m512i w[8];
@@ -390,9 +397,9 @@ void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, fl
       } else {
         for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(qg + 64 * j);
       }
-      const __m512 ws = sc.at(t, g, 0);
+      const __m512 ws = sc.at(t, g, 0, sup);
       if constexpr (Sc::kHalves == 2) {
-        const __m512 ws2 = sc.at(t, g, 1);
+        const __m512 ws2 = sc.at(t, g, 1, sup);
         for (int r = 0; r < R; ++r) {
           const int64_t row = m0 + r;
           const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + (row * G + g) * 64);
@@ -415,7 +422,7 @@ void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, fl
         continue;
       }
       __m512 wm;
-      if constexpr (kQ4) wm = mins.at(t, g, 0);
+      if constexpr (kQ4) wm = mins.at(t, g, 0, msup);
       for (int r = 0; r < R; ++r) {
         const int64_t row = m0 + r;
         const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + (row * G + g) * 64);
