@@ -270,3 +270,24 @@ def test_embeddings_mean_pooling(server_engine, start_server):
         last_srv.stop()
     with pytest.raises(ValueError, match="pooling_type"):
         create_app(server_engine, pooler_config='{"pooling_type": "ALL"}')
+
+
+@slow
+@pytest.mark.timeout(600)
+def test_embeddings_under_tensor_parallel(server_engine):
+    """Two CPU ranks: the embedding is a mirrored call (both ranks run the forward), the same vector as one rank
+    (up to the order of the all-reduce's sums), and the borrowed blocks are free again."""
+    import numpy as np
+
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import Engine
+
+    ids = server_engine.tokenizer.encode("The capital of France is")
+    tp = Engine(EngineConfig.from_kwargs(None, max_model_len=512, num_blocks=64, tensor_parallel_size=2))
+    try:
+        for pooling in ("LAST", "MEAN"):
+            want, got = np.array(server_engine.embed(ids, pooling)), np.array(tp.embed(ids, pooling))
+            assert np.abs(want - got).max() <= 1e-3 * np.linalg.norm(want)
+        assert tp.kv.num_free_blocks == tp.kv.pool.num_blocks
+    finally:
+        tp.close()
