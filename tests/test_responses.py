@@ -32,6 +32,8 @@ def test_plain_create(client):
     assert r.usage.model_extra["speculative"]["num_drafts"] >= 0  # the speculation extension, as on chat
     if r.usage.output_tokens == 16:
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    off = client.responses.create(model=MODEL, input="Say hi", max_output_tokens=8, extra_body={"speculative": False})
+    assert off.usage.model_extra["speculative"]["num_drafts"] == 0  # speculation off for one request, as on chat
 
 
 @slow
