@@ -21,6 +21,7 @@ import torch
 
 from specserve.model.gguf_file import parse_gguf, read_gguf_tensor
 from specserve.model.kernels import load_cpu_kernels
+from specserve.model.ops import _fused_args
 from specserve.model.quant import (
     ConcatWeight,
     CpuQuantWeight,
@@ -225,8 +226,28 @@ def test_tiny_kquant_model_speculation_is_bit_exact(tmp_path):
         m = llm.engine.runner.model
         assert isinstance(m.embed, QuantEmbedding)
         assert isinstance(m.layers[0].attn.qkv, ConcatWeight)  # Q4_K q, k + Q6_K v
+        kv = llm.engine.runner.kv_caches[0]
+        fused = _fused_args(m.layers[0], kv)  # the one-call C++ layer takes the two parts
+        assert fused is not None and fused[2][0] is not None
+        calls: list[int] = []
+        stack = torch.ops.specserve_cpu.decoder_stack
         resident = weight_bytes(m)
-        off = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts, speculative=False)]
+        torch.ops.specserve_cpu.decoder_stack = lambda *a: calls.append(1) or stack(*a)
+        try:
+            off = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts, speculative=False)]
+        finally:
+            torch.ops.specserve_cpu.decoder_stack = stack
+        assert calls  # every layer in one call
+        import specserve.model.ops as ops
+
+        real = ops._fused_args
+        ops._fused_args = lambda layer, kv: None  # op by op (ConcatWeight's parts in turn): the same bits
+        try:
+            per_op = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts,
+                                                                    speculative=False)]
+        finally:
+            ops._fused_args = real
+        assert per_op == off
         on = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts)]
         alone = [llm.generate(None, sp, prompt_token_ids=[p])[0].outputs[0].token_ids for p in prompts[:2]]
         assert llm.get_metrics()["speculative"]["draft_tokens"] > 0

@@ -73,7 +73,7 @@ class CpuFusedOps(TorchOps):
             return super().layer(layer, h, delta, positions, rope, kv_cache, meta, backend)
         return torch.ops.specserve_cpu.decoder_layer(
             h, delta, *args[0], positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping, meta.block_tables,
-            meta.query_start_loc, meta.seq_lens, *args[1], meta.tree_base, meta.tree_mask)
+            meta.query_start_loc, meta.seq_lens, *args[1], meta.tree_base, meta.tree_mask, *args[2])
 
     def stack(self, layers: list[DecoderLayer], h: torch.Tensor, positions: torch.Tensor,
               ropes: list[RotaryEmbedding], kv_caches: list[torch.Tensor], meta: AttentionMetadata,
@@ -84,7 +84,7 @@ class CpuFusedOps(TorchOps):
         h, delta, kept = torch.ops.specserve_cpu.decoder_stack(
             h, *args[0], positions, *args[1], kv_caches, meta.slot_mapping, meta.block_tables,
             meta.query_start_loc, meta.seq_lens, *args[2], sorted(t - 1 for t in taps if t <= len(layers)),
-            meta.tree_base, meta.tree_mask)
+            *args[3], meta.tree_base, meta.tree_mask)
         return h, delta, kept
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
@@ -124,21 +124,26 @@ def make_ops(device: torch.device, dtype: torch.dtype, attention_backend: str) -
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the C++ attention's caches
 
 
-def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor
+                ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]] | None:
     """The layer's arguments as ``decoder_layer`` takes them (those before the positions: norms, eps, the
-    matmul weights; those after the attention metadata: head counts, scale, window), or None where the layer
-    cannot run as one call (a float weight, chunked norms, q/k norms, a head_dim the attention kernel does not
-    take). Worked out once per layer and kept on it; the identity check of the matmul modules (plain dict
-    reads: a module attribute read costs about a microsecond, and this runs for every layer of every step)
-    notices weights that were loaded again."""
-    from specserve.model.quant import CpuQuantWeight
+    matmul weights; those after the attention metadata: head counts, scale, window; the second q/k/v part's
+    codes, scales, mins, or Nones), or None where the layer cannot run as one call (a float weight, chunked
+    norms, q/k norms, a head_dim the attention kernel does not take). Worked out once per layer and kept on it;
+    the identity check of the matmul modules (plain dict reads: a module attribute read costs about a
+    microsecond, and this runs for every layer of every step) notices weights that were loaded again."""
+    from specserve.model.quant import ConcatWeight, CpuQuantWeight
 
     cached, mats_now = layer.__dict__.get("_fused_args"), _matmuls(layer)
     if cached is not None and all(a is b for a, b in zip(cached[0], mats_now)):
         return cached[1]
     a, mlp = layer.attn, layer.mlp
-    mats: tuple[Any, ...] = (a.qkv, a.o, mlp.gate_up, mlp.down)
-    ok = (all(isinstance(w, CpuQuantWeight) for w in mats) and a.q_norm is None and layer.input_norm.chunks == 1
+    qkv, qkv2 = a.qkv, None
+    if isinstance(qkv, ConcatWeight) and len(qkv.parts) == 2:  # two formats: both parts in the one call
+        qkv, qkv2 = qkv.parts
+    mats: tuple[Any, ...] = (qkv, a.o, mlp.gate_up, mlp.down)
+    ok = (all(isinstance(w, CpuQuantWeight) for w in (*mats, qkv2 or qkv)) and a.q_norm is None
+          and layer.input_norm.chunks == 1
           and a.reduce is None and mlp.reduce is None
           and layer.attn_out_norm is None and isinstance(mlp, GatedMLP) and mlp.act == "silu"
           and layer.post_norm.chunks == 1 and kv_cache.shape[-1] % 8 == 0 and kv_cache.dtype in _KV_DTYPES
@@ -148,9 +153,10 @@ def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor) -> tuple[tuple[Any,
         head: list[Any] = [layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps]
         for w in mats:
             head += [w.packed, w.scales, w.mins]
-            if w is a.qkv:
+            if w is qkv:
                 head.append(a.qkv_bias)
-        args = (tuple(head), (a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0))
+        second = (None, None, None) if qkv2 is None else (qkv2.packed, qkv2.scales, qkv2.mins)
+        args = (tuple(head), (a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0), second)
     layer.__dict__["_fused_args"] = (mats_now, args)
     return args
 
@@ -164,7 +170,7 @@ def _matmuls(layer: DecoderLayer) -> tuple[Any, ...]:
 
 
 def _stack_args(layers: list[DecoderLayer], ropes: list[RotaryEmbedding], kv_caches: list[torch.Tensor]
-                ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]] | None:
+                ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]] | None:
     """``decoder_stack``'s per-layer arguments as lists (those before the positions, the rope tables, those
     after the metadata), or None unless every layer runs as one ``decoder_layer`` call with the same eps, head
     counts and scale. Kept on the first layer (per layer count), rebuilt when a layer's weights or rope changed
@@ -185,7 +191,9 @@ def _stack_args(layers: list[DecoderLayer], ropes: list[RotaryEmbedding], kv_cac
         eps = heads[0][2]
         before = (lists[0], lists[1], eps, *lists[3:])
         n_heads, n_kv, scale = per[0][1][:3]  # type: ignore[index]
+        seconds = [p[2] for p in per]  # type: ignore[index]
         args = (before, ([r.cos for r in ropes], [r.sin for r in ropes]),
-                (n_heads, n_kv, scale, [p[1][3] for p in per]))  # type: ignore[index]
+                (n_heads, n_kv, scale, [p[1][3] for p in per]),  # type: ignore[index]
+                tuple([list(c) for c in zip(*seconds)]))
     cache[len(layers)] = (ident, args)
     return args

@@ -114,10 +114,22 @@ class QuantizedParts:
 
 
 def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor | QuantizedParts:
-    """Concatenate along the output dimension (fused q/k/v, gate/up). Parts of one format become one tensor;
-    parts of different formats stay apart (``QuantizedParts``)."""
-    if len({p.format for p in parts}) > 1:
-        return QuantizedParts(tuple(parts))
+    """Concatenate along the output dimension (fused q/k/v, gate/up). Neighbours of one format become one
+    tensor; runs of different formats stay apart (``QuantizedParts``: Q4_K q + k, then a Q6_K v)."""
+    runs: list[list[QuantizedTensor]] = []
+    for p in parts:
+        if runs and runs[-1][0].format == p.format:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    if len(runs) > 1:
+        return QuantizedParts(tuple(_cat_same(r) for r in runs))
+    return _cat_same(parts)
+
+
+def _cat_same(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    if len(parts) == 1:
+        return parts[0]
     mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
     levels = None
     if parts[0].levels is not None:

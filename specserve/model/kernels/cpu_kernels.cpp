@@ -1208,7 +1208,8 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& s
 }
 
 // (h + delta, the layer's output delta); h + delta is the residual stream after the previous layer (delta
-// None: h itself, the first layer). Neither h nor delta is modified.
+// None: h itself, the first layer). Neither h nor delta is modified. ``qkv2``: a second q/k/v weight whose
+// output rows follow the first's (parts of two formats, model/quant.py's ConcatWeight: Q4_K q/k, Q6_K v).
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const at::Tensor& qkv_codes, const at::Tensor& qkv_scale,
@@ -1219,7 +1220,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t H,
     int64_t Hkv, double scale, int64_t window, const std::optional<at::Tensor>& tree_base,
-    const std::optional<at::Tensor>& tree_mask) {
+    const std::optional<at::Tensor>& tree_mask, const c10::optional<at::Tensor>& qkv2_codes = c10::nullopt,
+    const c10::optional<at::Tensor>& qkv2_scale = c10::nullopt, const c10::optional<at::Tensor>& qkv2_mins = c10::nullopt) {
   at::Tensor res, x;
   if (delta.has_value()) {
     std::tie(res, x) = add_rms_norm(h, *delta, input_norm, eps);
@@ -1228,6 +1230,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     x = rms_norm(res, input_norm, eps);
   }
   at::Tensor qkv = qmm(x, qkv_codes, qkv_scale, qkv_mins);
+  if (qkv2_codes.has_value()) {
+    TORCH_CHECK(qkv2_scale.has_value(), "decoder_layer: qkv2_codes without qkv2_scale");
+    qkv = at::cat({qkv, qmm(x, *qkv2_codes, *qkv2_scale, qkv2_mins)}, -1);
+  }
   if (qkv_bias.has_value()) qkv = qkv + *qkv_bias;
   const at::Tensor q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, H, Hkv);
   const at::Tensor a = paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window,
@@ -1257,8 +1263,9 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_stack(
     const c10::List<c10::optional<at::Tensor>>& down_mins, const at::Tensor& positions, at::TensorList cos,
     at::TensorList sin, at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t H, int64_t Hkv, double scale,
-    at::IntArrayRef windows, at::IntArrayRef taps, const std::optional<at::Tensor>& tree_base,
-    const std::optional<at::Tensor>& tree_mask) {
+    at::IntArrayRef windows, at::IntArrayRef taps, const c10::List<c10::optional<at::Tensor>>& qkv2_codes,
+    const c10::List<c10::optional<at::Tensor>>& qkv2_scales, const c10::List<c10::optional<at::Tensor>>& qkv2_mins,
+    const std::optional<at::Tensor>& tree_base, const std::optional<at::Tensor>& tree_mask) {
   const size_t L = kv_caches.size();
   TORCH_CHECK(L > 0, "decoder_stack: no layers");
   TORCH_CHECK(input_norms.size() == L && post_norms.size() == L && qkv_codes.size() == L &&
@@ -1266,7 +1273,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_stack(
               o_scales.size() == L && o_mins.size() == L && gate_up_codes.size() == L &&
               gate_up_scales.size() == L && gate_up_mins.size() == L && down_codes.size() == L &&
               down_scales.size() == L && down_mins.size() == L && cos.size() == L && sin.size() == L &&
-              windows.size() == L, "decoder_stack: one entry per layer in every list");
+              windows.size() == L && qkv2_codes.size() == L && qkv2_scales.size() == L && qkv2_mins.size() == L,
+              "decoder_stack: one entry per layer in every list");
   at::Tensor h = h_in;
   c10::optional<at::Tensor> delta;
   std::vector<at::Tensor> kept;
@@ -1278,7 +1286,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_stack(
                                   gate_up_codes[i], gate_up_scales[i], gate_up_mins.get(i), down_codes[i],
                                   down_scales[i], down_mins.get(i), positions, cos[i], sin[i], kv, slot_mapping,
                                   block_tables, query_start_loc, seq_lens, H, Hkv, scale, windows[i], tree_base,
-                                  tree_mask);
+                                  tree_mask, qkv2_codes.get(i), qkv2_scales.get(i), qkv2_mins.get(i));
     h = std::move(h2);
     delta = std::move(d2);
     if (next_tap < taps.size() && taps[next_tap] == static_cast<int64_t>(i)) {
@@ -1305,16 +1313,16 @@ TORCH_LIBRARY(specserve_cpu, m) {
         "Tensor? o_mins, Tensor gate_up_codes, Tensor gate_up_scale, Tensor? gate_up_mins, Tensor down_codes, "
         "Tensor down_scale, Tensor? down_mins, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_heads, "
-        "int num_kv_heads, float scale, int window, Tensor? tree_base=None, Tensor? tree_mask=None) "
-        "-> (Tensor, Tensor)");
+        "int num_kv_heads, float scale, int window, Tensor? tree_base=None, Tensor? tree_mask=None, "
+        "Tensor? qkv2_codes=None, Tensor? qkv2_scale=None, Tensor? qkv2_mins=None) -> (Tensor, Tensor)");
   m.def("decoder_stack(Tensor h, Tensor[] input_norms, Tensor[] post_norms, float eps, "
         "Tensor[] qkv_codes, Tensor[] qkv_scales, Tensor?[] qkv_mins, Tensor?[] qkv_biases, Tensor[] o_codes, "
         "Tensor[] o_scales, Tensor?[] o_mins, Tensor[] gate_up_codes, Tensor[] gate_up_scales, "
         "Tensor?[] gate_up_mins, Tensor[] down_codes, Tensor[] down_scales, Tensor?[] down_mins, "
         "Tensor positions, Tensor[] cos, Tensor[] sin, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, "
-        "float scale, int[] windows, int[] taps, Tensor? tree_base=None, Tensor? tree_mask=None) "
-        "-> (Tensor, Tensor, Tensor[])");
+        "float scale, int[] windows, int[] taps, Tensor?[] qkv2_codes, Tensor?[] qkv2_scales, "
+        "Tensor?[] qkv2_mins, Tensor? tree_base=None, Tensor? tree_mask=None) -> (Tensor, Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
