@@ -139,10 +139,22 @@ def test_openai_and_vllm_fields_are_accepted(server, client):
 
 @slow
 def test_deprecated_functions_are_tools(client):
-    r = client.chat.completions.create(model=MODEL, messages=PARIS, functions=[GET_WEATHER["function"]],
-                                       function_call={"name": "get_weather"}, max_tokens=40, temperature=0)
+    """``functions`` / ``function_call`` run as tools; the answer shows the call both ways (``tool_calls``, and
+    ``function_call`` with ``finish_reason: "function_call"`` as the deprecated API did), streamed and not."""
+    kw = dict(model=MODEL, messages=PARIS, functions=[GET_WEATHER["function"]], max_tokens=40, temperature=0)
+    r = client.chat.completions.create(function_call={"name": "get_weather"}, **kw)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    legacy = r.choices[0].message.function_call
+    assert (legacy.name, legacy.arguments) == (call.function.name, call.function.arguments)
+    assert r.choices[0].finish_reason == "function_call"
+    chunks = [c for c in client.chat.completions.create(function_call={"name": "get_weather"}, stream=True, **kw)
+              if c.choices]
+    streamed = [c.choices[0].delta.function_call for c in chunks if c.choices[0].delta.function_call]
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [(f.name, f.arguments) for f in streamed] == [(t.function.name, t.function.arguments) for t in calls
+                                                         if t.index == 0] == [(legacy.name, legacy.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "function_call"
 
 
 @slow

@@ -116,6 +116,7 @@ async def start_chat(state: ServerState, body: proto.ChatCompletionRequest, rid:
     run = Run(state, rid, streams, params, body.include_usage)
     run.tool_plan = plan
     run.metadata = body.metadata
+    run.legacy_functions = body.functions is not None
     if plan.active and plan.mode in ("auto", "required"):
         run.cut = plan.repeat_cut
     run.prompt_field = body.prompt_logprobs is not None  # non-streamed responses carry them
@@ -144,6 +145,7 @@ class Run:
         self.cut: Callable[[str], int | None] | None = None
         self._cuts: dict[tuple[int, int], CompletionOutput] = {}
         self.metadata: dict[str, str] | None = None  # OpenAI's request metadata, echoed in the response body
+        self.legacy_functions = False  # the request used the deprecated ``functions``: answer with function_call too
         # completions: ``echo`` (the prompt before each choice's text) and vLLM's ``prompt_logprobs`` field;
         # ``prompt_only``: ``echo`` with ``max_tokens`` 0 (the engine samples one token, which is not shown)
         self.echo = False
@@ -317,10 +319,12 @@ async def chat_chunks(run: Run) -> AsyncGenerator[dict[str, Any], None]:
             if plan is not None:  # content and tool calls as they come
                 deltas, num_calls = _tool_deltas(plan, comp, run.deltas[comp.index].sent, content_sent)
                 for d in deltas:
-                    yield chunk(comp.index, d, lp, None)
+                    yield chunk(comp.index, _with_function_call(d) if run.legacy_functions else d, lp, None)
                     lp = None
                 if comp.finished:
                     finish = "tool_calls" if num_calls and comp.finish_reason == "stop" else comp.finish_reason
+                    if finish == "tool_calls" and run.legacy_functions:
+                        finish = "function_call"
                     yield chunk(comp.index, {}, lp, finish)
                 continue
             delta: dict[str, Any] = {"content": text} if text else {}
@@ -361,6 +365,16 @@ def completion_response(run: Run) -> dict[str, Any]:
     return body if run.metadata is None else {**body, "metadata": run.metadata}
 
 
+def _with_function_call(message: dict[str, Any]) -> dict[str, Any]:
+    """A message or delta as the deprecated function-calling API also shows it: its first call as
+    ``function_call`` (``{name, arguments}``)."""
+    first = next((c for c in message.get("tool_calls") or [] if c.get("index", 0) == 0), None)
+    if first is None:
+        return message
+    fn = first.get("function") or {}
+    return {**message, "function_call": {k: fn[k] for k in ("name", "arguments") if k in fn}}
+
+
 def chat_response(run: Run) -> dict[str, Any]:
     decode = run.decode if run.params.logprobs is not None else None
     plan = run.tool_plan
@@ -371,4 +385,9 @@ def chat_response(run: Run) -> dict[str, Any]:
             return content, [c.as_dict() for c in calls]
     body = proto.chat_response(run.id, run.created, run.model, run.choices(), run.usage(), decode, parse,
                                run.echo_of(run.final[0]) if run.final else None)
+    if run.legacy_functions:
+        for choice in body["choices"]:
+            choice["message"] = _with_function_call(choice["message"])
+            if choice["finish_reason"] == "tool_calls":
+                choice["finish_reason"] = "function_call"
     return body if run.metadata is None else {**body, "metadata": run.metadata}
