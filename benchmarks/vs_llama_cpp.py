@@ -60,8 +60,8 @@ class CpuWatch:
 
     @staticmethod
     def _ours() -> float:
-        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return ru.ru_utime + ru.ru_stime
+        return sum(ru.ru_utime + ru.ru_stime for ru in (resource.getrusage(resource.RUSAGE_SELF),
+                                                         resource.getrusage(resource.RUSAGE_CHILDREN)))
 
     def __enter__(self) -> CpuWatch:
         self.t0, self.busy0, self.ours0 = time.monotonic(), self._busy(), self._ours()
@@ -202,24 +202,114 @@ def foreign_line(shares: list[float]) -> str:
 
 
 def llama_cpp_only(args: argparse.Namespace, thread_counts: list[int]) -> dict:
-    """llama-bench alone on the model: tg and pp, ``--repeats`` samples per thread count."""
+    """llama-bench alone on the model: tg and pp, one ``-r 1`` sample at a time (each gated like a round, with
+    --quiet-wait / --max-foreign), ``--repeats`` kept samples each; medians."""
     from specserve.model.loader import default_model_path
 
     exe = lcp.find_binary(lcp.BENCH, args.llama_cpp_dir)
     model = args.model or default_model_path()
-    res = {}
+    res: dict = {}
     for t in thread_counts:
-        r, foreign = guarded(args, f"llama-bench -t {t}",
-                             partial(lcp.run_bench, exe, model, t, args.repeats, args.pp, args.tg))
-        r["foreign_cpu_share"] = foreign
+        tests = {f"tg{args.tg}": (0, args.tg), f"pp{args.pp}": (args.pp, 0)} if args.pp else {
+            f"tg{args.tg}": (0, args.tg)}
+        got: dict[str, list[float]] = {name: [] for name in tests}
+        shares: list[float] = []
+        r: dict = {}
+        for _ in range(args.repeats):
+            for name, (p, n) in tests.items():
+                r, foreign = guarded(args, f"llama-bench -t {t} {name}", partial(lcp.run_bench, exe, model, t, 1, p, n))
+                got[name].append((r["tg"] or r["pp"])["tok_s"])
+                shares.append(foreign)
         build = lcp.describe_build(os.path.dirname(exe), r["build_number"], r["build_commit"])
-        print(f"threads {t}: {r['command']}\n  {build}; {r['cpu_info']}")
-        for test in r["tests"]:
-            print(f"  {test['test']:>8}: {test['tok_s']:8.2f} tok/s median (avg {test['avg_tok_s']:.2f} "
-                  f"+- {test['stddev_tok_s'] or 0:.2f}; samples {', '.join(f'{x:.2f}' for x in test['samples_tok_s'])})")
-        print(f"  other processes' share of the CPU meanwhile: {foreign:.1%}")
-        res[t] = r
+        print(f"threads {t}: {shlex.join(lcp.bench_command(exe, model, t, 1, 0, args.tg))} "
+              f"(and -p {args.pp} -n 0), one sample per run\n  {build}; {r['cpu_info']}")
+        for name, xs in got.items():
+            print(f"  {name:>8}: {statistics.median(xs):8.2f} tok/s median of {len(xs)} "
+                  f"(samples {', '.join(f'{x:.2f}' for x in xs)})")
+        print(f"  {foreign_line(shares)}")
+        res[t] = {"samples": got, "medians": {k: statistics.median(v) for k, v in got.items()},
+                  "foreign_cpu_share": shares}
     return res
+
+
+# -- interleaved, in one process: short samples, each one gated -------------------------------------------------
+def interleaved(args: argparse.Namespace, extra: list[str], thread_counts: list[int]) -> dict:
+    """specserve loaded once per thread count in this process; then, per workload, one sample at a time in turn:
+    specserve off (one `generate` over the prompts), specserve on, and ``llama-bench -r 1 -p 0 -n TG``, each
+    after a quiet wait and kept only when other processes stayed under ``--max-foreign``, until every engine has
+    ``--repeats`` kept samples (or ``--max-tries`` x repeats tries). Medians of the kept samples. Each sample is a
+    few seconds, so a machine shared with bursty work still yields clean ones. specserve's sample is exactly a
+    `bench offline` run at batch 1 (`specserve.bench.offline.run_once`: prefix cache reset, greedy, tok/s =
+    generated tokens / wall seconds over the prompts, prefill included)."""
+    from specserve.bench.offline import build_llm, run_once, select_prompts
+    from specserve.datasets import load_dataset
+    from specserve.engine_args import engine_kwargs
+    from specserve.model.loader import default_model_path
+
+    model = args.model or default_model_path()
+    bench_exe = lcp.find_binary(lcp.BENCH, args.llama_cpp_dir)
+    tg_name = f"llama-bench tg{args.tg}"
+    engines = ["specserve off", "specserve on", tg_name]
+    datasets = args.datasets.split(",")
+    tok_s: dict[tuple, list[float]] = {}
+    foreign_kept: list[float] = []
+    dropped = 0
+    ns = engine_namespace(extra + shlex.split(args.spec_args))
+    for t in thread_counts:
+        os.environ["SPECSERVE_NUM_THREADS"] = str(t)
+        llm = build_llm(model, engine_kwargs(ns))
+        import torch
+
+        print(f"threads {t}: specserve torch threads {torch.get_num_threads()}; llama-bench -t {t}", file=sys.stderr)
+        for ds in datasets:
+            prompts = [ids for ids, _ in select_prompts(llm.tokenizer, load_dataset(ds), args.num_prompts,
+                                                        llm.engine.max_model_len, args.max_tokens)]
+            for spec in (False, True):  # warm-up, excluded
+                run_once(llm, prompts, 1, min(8, args.max_tokens), spec, args.ignore_eos)
+            def sample(eng: str, llm=llm, prompts=prompts, t=t) -> float:
+                if eng == tg_name:
+                    return lcp.run_bench(bench_exe, model, t, 1, 0, args.tg)["tg"]["tok_s"]
+                return run_once(llm, prompts, 1, args.max_tokens, eng == "specserve on", args.ignore_eos).tok_s
+
+            tries = 0
+            while any(len(tok_s.get((t, ds, e), [])) < args.repeats for e in engines):
+                if tries >= args.max_tries * args.repeats * len(engines):
+                    print(f"  threads {t}, {ds}: gave up after {tries} tries", file=sys.stderr)
+                    break
+                for eng in engines:
+                    if len(tok_s.get((t, ds, eng), [])) >= args.repeats:
+                        continue
+                    tries += 1
+                    if args.quiet_wait:
+                        wait_quiet(args.quiet_wait)
+                    with CpuWatch() as w:
+                        v = sample(eng)
+                    if args.max_foreign is not None and w.foreign > args.max_foreign:
+                        dropped += 1
+                        print(f"  {eng} ({ds}, t {t}): {v:.1f} tok/s dropped, others at {w.foreign:.0%} of the CPU",
+                              file=sys.stderr)
+                        continue
+                    foreign_kept.append(w.foreign)
+                    tok_s.setdefault((t, ds, eng), []).append(v)
+                    print(f"  {eng} ({ds}, t {t}): {v:.1f} tok/s kept (others {w.foreign:.0%})", file=sys.stderr)
+        if hasattr(llm, "close"):
+            llm.close()
+    print(f"specserve on = {args.spec_args} {shlex.join(extra)}".rstrip())
+    print(f"{tg_name}: {shlex.join(lcp.bench_command(bench_exe, model, thread_counts[0], 1, 0, args.tg))} per sample")
+    print(f"batch 1, greedy, {args.num_prompts} prompts x {args.max_tokens} max tokens, median of {args.repeats} "
+          f"kept samples per engine, interleaved ({dropped} samples dropped for other processes' load)\n")
+    keys = [(t, ds) for t in thread_counts for ds in datasets]
+    rows, summary = median_table(tok_s, keys, engines, [tg_name])
+    print_table(["threads", "workload", "engine", "tok/s (median)", f"vs {tg_name}"], rows)
+    print(foreign_line(foreign_kept))
+    return {"rows": summary, "foreign_cpu_share": foreign_kept, "dropped": dropped}
+
+
+def engine_namespace(flags: list[str]) -> argparse.Namespace:
+    """specserve's engine flags parsed as `specserve bench offline` parses them."""
+    from specserve.cli import build_parser
+
+    return build_parser().parse_args(["bench", "offline", *flags])
 
 
 # -- served -------------------------------------------------------------------------------------------------------
@@ -303,6 +393,9 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=512, help="--llama-cpp-only: llama-bench pp length (default 512)")
     ap.add_argument("--llama-cpp-only", action="store_true", help="llama-bench alone on --model, no specserve")
     ap.add_argument("--served", action="store_true", help="OpenAI-API runs: specserve serve vs llama-server")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="specserve in this process, short gated samples of off / on / llama-bench tg in turn "
+                         "(for shared machines, with --quiet-wait and --max-foreign)")
     ap.add_argument("--concurrency", type=int, default=1, help="--served: requests in flight (default 1)")
     ap.add_argument("--llama-server-args", default="",
                     help="extra llama-server flags, e.g. '-md DRAFT.gguf --spec-type draft-simple --spec-draft-n-max 5' (its own speculation)")
@@ -332,6 +425,8 @@ def main() -> int:
         lcp.find_binary(lcp.BENCH, args.llama_cpp_dir)
         if args.llama_cpp_only:
             summary: dict = {"llama_bench": llama_cpp_only(args, thread_counts)}
+        elif args.interleaved:
+            summary = interleaved(args, extra, thread_counts)
         elif args.served:
             summary = served(args, extra, thread_counts, out)
         else:
