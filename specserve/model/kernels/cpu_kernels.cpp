@@ -124,11 +124,13 @@ template <> inline __m256 scale8<at::Half>(const at::Half* p) { return _mm256_cv
 //   Plain<S, 2>: one per half group (Q6_K's scales as fp32 products, where a slice lost the super-blocks).
 inline __m128 scale4(const float* p) { return _mm_loadu_ps(p); }
 inline __m128 scale4(const at::Half* p) { return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+// ``sup(n, g)``: read once per super-block by the kernel and handed back (Plain: nothing).
 template <typename S, int H = 1> struct Plain {
   static constexpr int kHalves = H;
   const S* p; int64_t G;
-  __m128 pair(int64_t n, int64_t g) const { return scale2<S>(p + n * G + g); }  // groups g, g + 1: lanes 0, 1
-  __m128 four(int64_t n, int64_t g) const { return scale4(p + (n * G + g) * H); }  // H = 2: [g lo, g hi, g+1 lo, g+1 hi]
+  __m128 sup(int64_t, int64_t) const { return _mm_setzero_ps(); }
+  __m128 pair(int64_t n, int64_t g, __m128) const { return scale2<S>(p + n * G + g); }  // groups g, g + 1: lanes 0, 1
+  __m128 four(int64_t n, int64_t g, __m128) const { return scale4(p + (n * G + g) * H); }  // H = 2: [g lo, g hi, g+1 lo, g+1 hi]
   float one(int64_t n, int64_t g) const { return static_cast<float>(p[n * G + g]); }
   __m256 eight(int64_t n, int64_t g) const { return scale8<S>(p + n * G + g); }
 };
@@ -138,13 +140,13 @@ template <int H> struct Blob {
   const uint8_t* p; int64_t G;
   const uint8_t* sb(int64_t n, int64_t g) const { return p + (n * (G / 8) + g / 8) * kBytes; }
   static float sup(const uint8_t* b) { uint16_t h; std::memcpy(&h, b + 8 * H, 2); return _cvtsh_ss(h); }  // F16C
+  __m128 sup(int64_t n, int64_t g) const { return _mm_set1_ps(sup(sb(n, g))); }
   // values (g % 8) H .. + 3 of g's super-block: H = 1, groups g .. g + 3; H = 2, [g lo, g hi, g+1 lo, g+1 hi]
-  __m128 four(int64_t n, int64_t g) const {
-    const uint8_t* b = sb(n, g);
-    int32_t bits; std::memcpy(&bits, b + (g % 8) * H, 4);
-    return _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(bits))), _mm_set1_ps(sup(b)));
+  __m128 four(int64_t n, int64_t g, __m128 up) const {
+    int32_t bits; std::memcpy(&bits, sb(n, g) + (g % 8) * H, 4);
+    return _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(bits))), up);
   }
-  __m128 pair(int64_t n, int64_t g) const { return four(n, g); }
+  __m128 pair(int64_t n, int64_t g, __m128 up) const { return four(n, g, up); }
   float one(int64_t n, int64_t g) const {
     const uint8_t* b = sb(n, g);
     return static_cast<float>(static_cast<int8_t>(b[(g % 8) * H])) * sup(b);
@@ -210,12 +212,14 @@ void tile(const Rows& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float*
     const uint8_t* qn = q + n * G * bytes;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m128 up = _mm_setzero_ps();  // the super-block's factor (two-level scales), read once per 4 blocks
     auto block = [&](int64_t b, auto lone_t) {
       constexpr bool lone = decltype(lone_t)::value;
+      if (b % 4 == 0) up = sc.sup(n, 2 * b);
       __m256i u[4];
       block_codes<kQ4, lone>(qn, b, u);
       if constexpr (Sc::kHalves == 2) {  // lanes of u0 + u1: [a lo | b lo] (lone: [a lo | a hi]); of u2 + u3: [a hi | b hi]
-        const __m256 f = _mm256_castps128_ps256(sc.four(n, 2 * b));  // [a lo, a hi, b lo, b hi]
+        const __m256 f = _mm256_castps128_ps256(sc.four(n, 2 * b, up));  // [a lo, a hi, b lo, b hi]
         const __m256 wlo = _mm256_permutevar8x32_ps(f, lone ? pair : _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
         const __m256 whi = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
         for (int r = 0; r < R; ++r) {
@@ -232,7 +236,7 @@ void tile(const Rows& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float*
       }
       __m256 ws;
       if constexpr (lone) ws = _mm256_set1_ps(sc.one(n, 2 * b));
-      else ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(sc.pair(n, 2 * b)), pair);
+      else ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(sc.pair(n, 2 * b, up)), pair);
       for (int r = 0; r < R; ++r) {
         const __m256i* xr = reinterpret_cast<const __m256i*>(xb + (r * B + b) * 64);
         __m256i p = _mm256_add_epi32(_mm256_madd_epi16(u[0], _mm256_loadu_si256(xr)), _mm256_madd_epi16(u[1], _mm256_loadu_si256(xr + 1)));
