@@ -32,6 +32,7 @@ from specserve.server.responses_items import (
     ResponseStore,
     call_item,
     chat_request,
+    ignored_fields,
     message_item,
     new_id,
     output_items,
@@ -158,6 +159,8 @@ def make_router(state: ServerState, store: ResponseStore) -> APIRouter:
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         owner = store.owner(raw.headers.get("authorization"))
         rid, created = new_id()
+        if ignored := ignored_fields(body):
+            log.debug("response: ignoring %s (no meaning on this server)", ", ".join(ignored))
         try:
             history = store.get(owner, body.previous_response_id)[0] if body.previous_response_id else []
             chat, conversation = chat_request(body, history)

@@ -89,6 +89,16 @@ class ResponsesRequest(_Strict):
         return v
 
 
+IGNORED = ("include", "truncation", "top_logprobs", "stream_options", "service_tier", "prompt_cache_key",
+           "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "context_management", "moderation",
+           "access_programs", "background_options", "image")
+
+
+def ignored_fields(body: ResponsesRequest) -> list[str]:
+    """The fields given that change nothing on this server (for a debug log line)."""
+    return [name for name in IGNORED if getattr(body, name) not in (None, [], {})]
+
+
 def _text(content: Any, param: str) -> str:
     """A message's content (a string or a list of text parts) as one string."""
     if content is None or isinstance(content, str):
