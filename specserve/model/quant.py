@@ -540,7 +540,7 @@ def describe_weights(model: nn.Module) -> str:
     kinds: dict[str, list[int]] = {}
     for m in model.modules():
         if isinstance(m, QuantEmbedding):
-            kinds[f"int{m.bits} embedding"] = [1, sum(b.numel() * b.element_size() for b in m.buffers())]
+            kinds[f"int{m.bits} embedding"] = [0, sum(b.numel() * b.element_size() for b in m.buffers())]
         if isinstance(m, PackedWeight) and not isinstance(m, ConcatWeight):  # (its parts are counted)
             kind = f"int{m.bits}" if isinstance(m, _Quantized) else "dense"
             nbytes = sum(b.numel() * b.element_size() for b in list(m.buffers()) + list(m.parameters()))
@@ -549,4 +549,5 @@ def describe_weights(model: nn.Module) -> str:
     if not kinds:
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         return f"float, {total / 2**20:.0f} MiB"
-    return ", ".join(f"{n} {kind} matmuls {b / 2**20:.0f} MiB" for kind, (n, b) in sorted(kinds.items()))
+    return ", ".join(f"{n} {kind} matmuls {b / 2**20:.0f} MiB" if n else f"{kind} {b / 2**20:.0f} MiB"
+                     for kind, (n, b) in sorted(kinds.items()))

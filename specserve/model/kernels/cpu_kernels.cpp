@@ -268,9 +268,27 @@ void mm_rows(const Rows& xq, const at::Tensor& q, const Sc& sc, const Sc& mins, 
       with_rows<kRowTile>(M - m0, [&](auto r) { tile<kQ4, Sc, decltype(r)::value>(xq, qp, sc, mins, yp, N, m0, n0, n1); });
   });
 }
-// Blob scales: how many values per group (1, or 2 for half groups), from the blob's last dimension.
-inline int blob_halves(const at::Tensor& sc, int64_t fixed, int64_t per_half) {
-  return static_cast<int>((sc.size(2) - fixed) / per_half);
+// run(scales, mins) with the accessors (BlobT: Blob or Blob16, PlainT: Plain or Plain16) a weight's scales
+// call for: K-quant blobs (uint8; half groups where the blob's last dimension, ``fixed`` + ``per_half`` values
+// per group, says two), fp16 / fp32 per half group (``halves``, 8-bit codes), or fp16 / fp32 per group.
+template <bool kQ4, template <int> class BlobT, template <typename, int> class PlainT, typename Run>
+void with_scales(const at::Tensor& sc, const c10::optional<at::Tensor>& mins, int64_t G, bool halves, int64_t fixed,
+                 int64_t per_half, Run&& run) {
+  if (sc.scalar_type() == at::kByte) {
+    const uint8_t* mp = mins.has_value() ? mins->data_ptr<uint8_t>() : nullptr;
+    if (kQ4 || (sc.size(2) - fixed) / per_half == 1) run(BlobT<1>{sc.data_ptr<uint8_t>(), G}, BlobT<1>{mp, G});
+    else if constexpr (!kQ4) run(BlobT<2>{sc.data_ptr<uint8_t>(), G}, BlobT<2>{nullptr, G});
+    return;
+  }
+  auto plain = [&](auto zero) {
+    using S = decltype(zero);
+    if constexpr (!kQ4) {
+      if (halves) return run(PlainT<S, 2>{sc.data_ptr<S>(), G}, PlainT<S, 2>{nullptr, G});
+    }
+    run(PlainT<S, 1>{sc.data_ptr<S>(), G}, PlainT<S, 1>{mins.has_value() ? mins->data_ptr<S>() : nullptr, G});
+  };
+  if (sc.scalar_type() == at::kHalf) plain(at::Half{});
+  else plain(float{});
 }
 // ---------------------------------------------------------------------------------------------------------
 // The tiled layout, for CPUs with AVX-512 VNNI (chosen in platform.py; only called where the CPU has it).
@@ -478,21 +496,8 @@ at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  auto run = [&](auto s, auto m) { mm_tiled_rows<kQ4>(xq, qp, s, m, yp, M, N); };
-  if (blob) {
-    const uint8_t* mp = mins.has_value() ? mins->data_ptr<uint8_t>() : nullptr;
-    if (kQ4 || blob_halves(sc, 32, 128) == 1) run(Blob16<1>{sc.data_ptr<uint8_t>(), G}, Blob16<1>{mp, G});
-    else if constexpr (!kQ4) run(Blob16<2>{sc.data_ptr<uint8_t>(), G}, Blob16<2>{nullptr, G});
-  } else if (halves) {
-    if constexpr (!kQ4) {
-      if (half) run(Plain16<at::Half, 2>{sc.data_ptr<at::Half>(), G}, Plain16<at::Half, 2>{nullptr, G});
-      else run(Plain16<float, 2>{sc.data_ptr<float>(), G}, Plain16<float, 2>{nullptr, G});
-    }
-  } else if (half) {
-    run(Plain16<at::Half>{sc.data_ptr<at::Half>(), G}, Plain16<at::Half>{mins.has_value() ? mins->data_ptr<at::Half>() : nullptr, G});
-  } else {
-    run(Plain16<float>{sc.data_ptr<float>(), G}, Plain16<float>{mins.has_value() ? mins->data_ptr<float>() : nullptr, G});
-  }
+  with_scales<kQ4, Blob16, Plain16>(sc, mins, G, halves, 32, 128,
+                                     [&](auto s, auto m) { mm_tiled_rows<kQ4>(xq, qp, s, m, yp, M, N); });
   return y;
 }
 
@@ -514,21 +519,7 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc,
                        mins->scalar_type() == sc.scalar_type()), "bad mins");
   const Rows xq = quantize_rows(x.data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, x.options());
-  auto run = [&](auto s, auto m) { mm_rows<kQ4>(xq, q, s, m, y); };
-  if (blob) {
-    const uint8_t* mp = mins.has_value() ? mins->data_ptr<uint8_t>() : nullptr;
-    if (kQ4 || blob_halves(sc, 2, 8) == 1) run(Blob<1>{sc.data_ptr<uint8_t>(), G}, Blob<1>{mp, G});
-    else if constexpr (!kQ4) run(Blob<2>{sc.data_ptr<uint8_t>(), G}, Blob<2>{nullptr, G});
-  } else if (halves) {
-    if constexpr (!kQ4) {
-      if (half) run(Plain<at::Half, 2>{sc.data_ptr<at::Half>(), G}, Plain<at::Half, 2>{nullptr, G});
-      else run(Plain<float, 2>{sc.data_ptr<float>(), G}, Plain<float, 2>{nullptr, G});
-    }
-  } else if (half) {
-    run(Plain<at::Half>{sc.data_ptr<at::Half>(), G}, Plain<at::Half>{mins.has_value() ? mins->data_ptr<at::Half>() : nullptr, G});
-  } else {
-    run(Plain<float>{sc.data_ptr<float>(), G}, Plain<float>{mins.has_value() ? mins->data_ptr<float>() : nullptr, G});
-  }
+  with_scales<kQ4, Blob, Plain>(sc, mins, G, halves, 2, 8, [&](auto s, auto m) { mm_rows<kQ4>(xq, q, s, m, y); });
   return y.to(x_in.scalar_type());
 }
 // The row layout (above) or the tiled layout (3-D codes, below): which one a weight has is its packer's
