@@ -73,3 +73,23 @@ def test_engine_counters_are_the_requests_counters(llm):
         assert after[key] - before[key] == sum(o.metrics["speculative"][key] for o in outs)
     assert after["num_drafts"] > before["num_drafts"]
     llm.engine.runner.drafter.reset_controller(adaptive=True)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_a_draft_model_reads_the_prompt_after_the_first_token(tmp_path, method):
+    """The step that gives a request its first token makes no draft-model call for it (the draft's catch-up on
+    the prompt, or layer skip's partial forwards, are not in the time to first token); the next step drafts.
+    Lookup proposers cost nothing and draft at once."""
+    path = save_tiny_checkpoint(tmp_path)
+    kw = dict(speculative_model=path) if method == "draft" else dict(speculative_method="ngram", prompt_lookup_min=1)
+    llm = LLM(path, num_speculative_tokens=3, speculative_adaptive=False, dtype="float32", num_blocks=64, **kw)
+    engine, calls = llm.engine, []
+    proposer = engine.runner.drafter.proposer
+    real = proposer.propose
+    proposer.propose = lambda reqs: calls.append([r.req_id for r in reqs]) or real(reqs)
+    engine.add_request("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    first = engine.step()
+    assert len(first[0].outputs[0].token_ids) == 1
+    assert calls == ([] if method == "draft" else [["r"]])
+    engine.step()
+    assert calls and calls[-1] == ["r"]

@@ -69,6 +69,10 @@ class Drafter:
         self.model: LlamaModel | EagleHead | None = self._load_draft_model()
         # Whether the proposer reads the target's features (the runner then hands each step's over).
         self.reads_features = isinstance(self.model, EagleHead)
+        # Model drafts (a draft model or head reads the whole prompt before its first draft; layer skip runs
+        # the target's first layers k times): the runner leaves a request out of the proposals of the step
+        # that gives its first token, so none of that is part of the TTFT. Lookups cost nothing and draft.
+        self.defers_first_draft = self.spec_config.method in ("draft", "eagle", "layer_skip")
         if isinstance(self.model, EagleHead):
             target.feature_layers = self.model.cfg.feature_layers  # the layers the head reads
         self.controller = SpecController(self.spec_config.num_speculative_tokens, self.spec_config.adaptive)

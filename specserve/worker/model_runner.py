@@ -493,10 +493,12 @@ class ModelRunner:
         a row without room still counts in the controller's batch), and the parents of those that are trees."""
         assert self.drafter is not None
         cands = []
+        defer = self.drafter.defers_first_draft
         for r, em in zip(rows, emitted):
             c = self.requests[r.req_id]
             room = min(c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
-            if c.spec_enabled:
+            # NOTE: a draft model's catch-up on the prompt waits for the next step: it is not in the TTFT.
+            if c.spec_enabled and not (defer and len(c.state.output_token_ids) == len(em)):
                 valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
                 slots = min(room, len(r.block_ids) * self.block_size - len(c.token_ids))
                 cands.append(ProposeRequest(r.req_id, c.token_ids, valid, room, r.block_ids, c.state, slots=slots))
