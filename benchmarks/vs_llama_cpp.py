@@ -266,10 +266,12 @@ def interleaved(args: argparse.Namespace, extra: list[str], thread_counts: list[
                                                         llm.engine.max_model_len, args.max_tokens)]
             for spec in (False, True):  # warm-up, excluded
                 run_once(llm, prompts, 1, min(8, args.max_tokens), spec, args.ignore_eos)
-            def sample(eng: str, llm=llm, prompts=prompts, t=t) -> float:
+            def sample(eng: str, llm=llm, prompts=prompts, t=t) -> tuple[float, float | None]:
+                """(tok/s, decode tok/s = 1 / TPOT: the rate after each request's first token, or None)."""
                 if eng == tg_name:
-                    return lcp.run_bench(bench_exe, model, t, 1, 0, args.tg)["tg"]["tok_s"]
-                return run_once(llm, prompts, 1, args.max_tokens, eng == "specserve on", args.ignore_eos).tok_s
+                    return lcp.run_bench(bench_exe, model, t, 1, 0, args.tg)["tg"]["tok_s"], None
+                run = run_once(llm, prompts, 1, args.max_tokens, eng == "specserve on", args.ignore_eos)
+                return run.tok_s, (1.0 / run.tpot_s if run.tpot_s else None)
 
             tries = 0
             while any(len(tok_s.get((t, ds, e), [])) < args.repeats for e in engines):
@@ -283,7 +285,7 @@ def interleaved(args: argparse.Namespace, extra: list[str], thread_counts: list[
                     if args.quiet_wait:
                         wait_quiet(args.quiet_wait)
                     with CpuWatch() as w:
-                        v = sample(eng)
+                        v, decode = sample(eng)
                     if args.max_foreign is not None and w.foreign > args.max_foreign:
                         dropped += 1
                         print(f"  {eng} ({ds}, t {t}): {v:.1f} tok/s dropped, others at {w.foreign:.0%} of the CPU",
@@ -291,6 +293,8 @@ def interleaved(args: argparse.Namespace, extra: list[str], thread_counts: list[
                         continue
                     foreign_kept.append(w.foreign)
                     tok_s.setdefault((t, ds, eng), []).append(v)
+                    if decode is not None:
+                        tok_s.setdefault((t, ds, f"{eng}, decode only"), []).append(decode)
                     print(f"  {eng} ({ds}, t {t}): {v:.1f} tok/s kept (others {w.foreign:.0%})", file=sys.stderr)
         if hasattr(llm, "close"):
             llm.close()
@@ -299,8 +303,11 @@ def interleaved(args: argparse.Namespace, extra: list[str], thread_counts: list[
     print(f"batch 1, greedy, {args.num_prompts} prompts x {args.max_tokens} max tokens, median of {args.repeats} "
           f"kept samples per engine, interleaved ({dropped} samples dropped for other processes' load)\n")
     keys = [(t, ds) for t in thread_counts for ds in datasets]
-    rows, summary = median_table(tok_s, keys, engines, [tg_name])
+    shown = ["specserve off", "specserve off, decode only", "specserve on", "specserve on, decode only", tg_name]
+    rows, summary = median_table(tok_s, keys, shown, [tg_name])
     print_table(["threads", "workload", "engine", "tok/s (median)", f"vs {tg_name}"], rows)
+    print("tok/s: generated tokens / wall seconds over the prompts, prefill included; decode only: 1 / TPOT, the "
+          "mean time per output token after each request's first (no prefill, as tg)")
     print(foreign_line(foreign_kept))
     return {"rows": summary, "foreign_cpu_share": foreign_kept, "dropped": dropped}
 
