@@ -154,6 +154,20 @@ def test_embedding_rows_are_the_files_values(qtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("tiled", LAYOUTS, ids=lambda t: "tiled" if t else "rows")
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_a_tied_embedding_reads_the_packed_heads_rows(qtype, tiled):
+    """A tied table is looked up in the LM head's packed bytes (``TiedEmbedding``): the file's values."""
+    from specserve.model.quant import TiedEmbedding
+
+    t, w = kept(qtype, 48, 512)
+    head = CpuQuantWeight(t, torch.device("cpu"), tiled=tiled)
+    ids = torch.tensor([17, 0, 47, 17, 31])
+    assert torch.equal(head.take_rows(ids).dequantize(), w[ids])
+    assert torch.equal(TiedEmbedding(head, torch.float32).lookup(ids), w[ids])
+
+
+@needs_kernels
 def test_mixed_formats_fuse_as_parts():
     """Q4_K q and k with a Q6_K v (Q4_K_M files): the fused weight keeps each part as it is."""
     (q, wq), (kk, wk), (v, wv) = kept(Q.Q4_K, 32, 512, 1), kept(Q.Q4_K, 16, 512, 2), kept(Q.Q6_K, 16, 512, 3)

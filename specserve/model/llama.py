@@ -21,7 +21,15 @@ from specserve.model.families import family
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from specserve.model.moe import SparseMoE
 from specserve.model.ops import TorchOps
-from specserve.model.quant import PackedWeight, QuantEmbedding, QuantizedTensor, cat_rows, embedding
+from specserve.model.quant import (
+    CpuQuantWeight,
+    PackedWeight,
+    QuantEmbedding,
+    QuantizedTensor,
+    TiedEmbedding,
+    cat_rows,
+    embedding,
+)
 from specserve.model.tensor_parallel import TensorParallel, local_arch, shard_tensor
 
 _TORCH_OPS = TorchOps()
@@ -172,7 +180,7 @@ class LlamaModel(nn.Module):
     def embedding_table(self) -> torch.Tensor:
         """The (unscaled) embedding table as a float tensor, whether kept float or in its GGUF blocks."""
         e = self.embed
-        return e.dequantize(self.dtype) if isinstance(e, QuantEmbedding) else e
+        return e.dequantize(self.dtype) if isinstance(e, (QuantEmbedding, TiedEmbedding)) else e
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: the (scaled) token embeddings, the first layer's input."""
@@ -249,10 +257,14 @@ class LlamaModel(nn.Module):
                 dst.copy_((src.dequantize() if isinstance(src, QuantizedTensor) else src).to(dst.dtype))
 
         with torch.no_grad():
-            put(self, "embed", "model.embed_tokens.weight", roles=("vocab",))
             if packer is not None or not self.arch.tie_word_embeddings:
                 head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
                 put(self, "lm_head", head, matmul=True, roles=("vocab",))
+            if self.arch.tie_word_embeddings and isinstance(self.lm_head, CpuQuantWeight):
+                del self.embed  # the packed head's rows are the table
+                self.embed = TiedEmbedding(self.lm_head, self.dtype)
+            else:
+                put(self, "embed", "model.embed_tokens.weight", roles=("vocab",))
             put(self.norm, "weight", "model.norm.weight")
             moe = family(self.arch.architecture).moe
             for i, layer in enumerate(self.decoder_layers):

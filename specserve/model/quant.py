@@ -308,6 +308,39 @@ class CpuQuantWeight(_Quantized):
         mins = None if self.mins is None else values(self.mins, 1)
         return QuantizedTensor(self.bits, codes, values(self.scales, self.halves), mins)
 
+    def take_rows(self, ids: torch.Tensor) -> QuantizedTensor:
+        """Rows ``ids`` (output features) in the plain form, read from either layout: a tied embedding's lookup
+        reads the LM head's own bytes (``TiedEmbedding``)."""
+        n, k = self.shape
+        g, t = k // GROUP, len(ids)
+        if self.tiled:
+            tile, col, ar = ids // TILE, ids % TILE, torch.arange(t)
+            if self.bits == 8:  # [t, g, 8 chunks, 4 codes] of each row's column
+                c = self.packed.view(n // TILE, g, 8, TILE, 4)[tile, :, :, col, :].reshape(t, k)
+                codes = (c.to(torch.int16) - 128).to(torch.int8)
+            else:  # low nibbles: codes 4 j + b, high nibbles: 16 + 4 j + b
+                b = self.packed.view(n // TILE, g, 4, TILE, 4)[tile, :, :, col, :].reshape(t, g, 16)
+                codes = torch.cat([b & 0xF, b >> 4], dim=-1).reshape(t, k)
+        else:
+            c = self.packed.index_select(0, ids)
+            codes = c if self.bits == 8 else torch.stack([c.view(t, g, GROUP // 2) & 0xF, c.view(t, g, GROUP // 2) >> 4],
+                                                         dim=2).reshape(t, k)
+
+        def values(v: torch.Tensor, halves: int) -> torch.Tensor:  # [t, g * halves] fp32
+            if not self.tiled:
+                rows = v.index_select(0, ids)
+                return _unblob(rows, t, g, halves, False) if v.dtype == torch.uint8 else rows.float()
+            if v.dtype != torch.uint8:  # [n / 16, g * halves, 16]
+                return v[tile, :, col].float()
+            sb = g // 8
+            blob = v[tile]  # [t, g / 8, 128 halves + 32]
+            sub = blob[..., :128 * halves].reshape(t, sb, 8 * halves, TILE)[ar, :, :, col]  # [t, g / 8, 8 halves]
+            sup = blob[..., 128 * halves:].reshape(t, sb, TILE, 2)[ar, :, col, :]  # [t, g / 8, 2] bytes
+            return _unblob(torch.cat([sub, sup], dim=-1), t, g, halves, False)
+
+        mins = None if self.mins is None else values(self.mins, 1)
+        return QuantizedTensor(self.bits, codes, values(self.scales, self.halves), mins)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 4:
             return torch.ops.specserve_cpu.q4_mm(x, self.packed, self.scales, self.mins)
@@ -442,9 +475,28 @@ class QuantEmbedding(nn.Module):
         return self.lookup(torch.arange(self.num_embeddings, device=self.codes.device)).to(dtype)
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor | QuantEmbedding) -> torch.Tensor:
+class TiedEmbedding(nn.Module):
+    """A tied embedding table read from the packed LM head it equals (a CPU kernel weight): no second copy of
+    the vocabulary (Gemma 3's 262k x 640 table is 170 MiB in Q8_0). Rows dequantize to the same values a
+    ``QuantEmbedding`` of the file's tensor gives."""
+
+    def __init__(self, head: CpuQuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._head = [head]  # not a submodule: the LM head owns (and counts) the bytes
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = head.shape
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, dim] in the model's dtype."""
+        return self._head[0].take_rows(ids).dequantize(self.dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._head[0].dequantize(dtype)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | QuantEmbedding | TiedEmbedding) -> torch.Tensor:
     """Rows ``ids`` of a float table (``F.embedding``) or of one kept in its blocks."""
-    return table.lookup(ids) if isinstance(table, QuantEmbedding) else F.embedding(ids, table)
+    return F.embedding(ids, table) if isinstance(table, torch.Tensor) else table.lookup(ids)
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
