@@ -201,7 +201,7 @@ class ModelRunner:
             raise SpecserveError(f"KV cache too small: {n} blocks of {self.block_size} tokens")
         draft_note = ""
         if self.drafter is not None and self.drafter.model is not None:
-            w = sum(p.numel() * p.element_size() for p in self.drafter.model.parameters())
+            w = weight_bytes(self.drafter.model)  # packed weights are buffers, not parameters
             draft_note = f" (including the draft's KV; draft weights {w / 2**20:.1f} MiB)"
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB%s", n, self.block_size,
                  n * self.block_size, n * per_block / 2**20, draft_note)
