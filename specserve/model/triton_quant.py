@@ -280,28 +280,31 @@ def _int8_group_block_k(group_size: int) -> int:
     raise ValueError(f"group_size {group_size} is not a multiple of 16")  # pragma: no cover - checked before
 
 
+def _launch(kernel, x: torch.Tensor, n: int, tensors: tuple[torch.Tensor, ...], sizes: tuple[int, ...],
+            block_k: int) -> torch.Tensor:  # noqa: ANN001 - a Triton kernel
+    """The common launch of the matmuls below: ``out`` [M, n] in x's dtype, the grid, then the kernel with
+    (out, x, *tensors, M, N, *sizes, each tensor's strides, out's strides) and the block sizes."""
+    M, K = x.shape
+    out = torch.empty((M, n), dtype=x.dtype, device=x.device)
+    if M == 0 or n == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    block_m = _block_m(M)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(n, _BLOCK_N))
+    strides = [v for t in (x, *tensors, out) for v in t.stride()]
+    kernel[grid](out, x, *tensors, M, n, *sizes, *strides, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k)
+    return out
+
+
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                 group_size: int) -> torch.Tensor:
     """Triton version of ``int4_matmul_reference`` (group_size a multiple of 32)."""
     # x: [M, K]; qweight: uint8 [N, K // 2]; scales, mins: [N, K // group_size] -> [M, N] in x.dtype
     _require_triton()
     _check_int4(x, qweight, scales, mins, group_size, kernel=True)
-    M, K = x.shape
-    N = qweight.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    block_m = _block_m(M)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, _BLOCK_N))
-    _int4_matmul_kernel[grid](
-        out, x, qweight, scales, mins,
-        M, N, K, group_size,
-        *x.stride(), *qweight.stride(), *scales.stride(), *mins.stride(), *out.stride(),
-        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_int4_block_k(group_size),
-    )
-    return out
+    return _launch(_int4_matmul_kernel, x, qweight.shape[0], (qweight, scales, mins), (x.shape[1], group_size),
+                   _int4_block_k(group_size))
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -309,22 +312,7 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     # x: [M, K]; qweight: int8 [N, K]; scales: [N] -> [M, N] in x.dtype
     _require_triton()
     _check_int8(x, qweight, scales)
-    M, K = x.shape
-    N = qweight.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    block_m = _block_m(M)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, _BLOCK_N))
-    _int8_matmul_kernel[grid](
-        out, x, qweight, scales,
-        M, N, K,
-        *x.stride(), *qweight.stride(), *scales.stride(), *out.stride(),
-        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_INT8_BLOCK_K,
-    )
-    return out
+    return _launch(_int8_matmul_kernel, x, qweight.shape[0], (qweight, scales), (x.shape[1],), _INT8_BLOCK_K)
 
 
 def int8_group_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -332,19 +320,5 @@ def int8_group_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     # x: [M, K]; qweight: int8 [N, K]; scales: [N, K // group_size] -> [M, N] in x.dtype
     _require_triton()
     _check_int8_group(x, qweight, scales, group_size, kernel=True)
-    M, K = x.shape
-    N = qweight.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    block_m = _block_m(M)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, _BLOCK_N))
-    _int8_group_matmul_kernel[grid](
-        out, x, qweight, scales,
-        M, N, K, group_size,
-        *x.stride(), *qweight.stride(), *scales.stride(), *out.stride(),
-        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_int8_group_block_k(group_size),
-    )
-    return out
+    return _launch(_int8_group_matmul_kernel, x, qweight.shape[0], (qweight, scales), (x.shape[1], group_size),
+                   _int8_group_block_k(group_size))
