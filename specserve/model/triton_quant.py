@@ -95,21 +95,28 @@ def _check_x(x: torch.Tensor) -> None:
         raise ValueError(f"x must be a 2-D float32/bfloat16/float16 tensor, got {tuple(x.shape)} {x.dtype}")
 
 
+def _check_groups(kind: str, qweight: torch.Tensor, K: int, group_size: int, multiple: int | None,
+                  named: tuple[tuple[str, torch.Tensor], ...]) -> None:
+    """The group size (dividing K; a multiple of ``multiple`` for the kernel) and the [N, K // group_size]
+    float tensors ``named`` of a grouped format ``kind``."""
+    if group_size <= 0 or K % group_size:
+        raise ValueError(f"group_size {group_size} must be positive and divide K = {K}")
+    if multiple is not None and group_size % multiple:
+        raise ValueError(f"the Triton {kind} kernel needs group_size to be a multiple of {multiple}, got {group_size}")
+    want = (qweight.shape[0], K // group_size)
+    for name, t in named:
+        if tuple(t.shape) != want or t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{kind} {name} must be a float [N, K // group_size] = {list(want)} tensor, "
+                             f"got {tuple(t.shape)} {t.dtype}")
+
+
 def _check_int4(x, qweight, scales, mins, group_size, *, kernel: bool) -> None:
     _check_x(x)
     K = x.shape[1]
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or 2 * qweight.shape[1] != K:
         raise ValueError(f"int4 qweight must be uint8 [N, K // 2] = [N, {K // 2}] (K = {K} must be even), "
                          f"got {tuple(qweight.shape)} {qweight.dtype}")
-    if group_size <= 0 or K % group_size:
-        raise ValueError(f"group_size {group_size} must divide K = {K}")
-    if kernel and group_size % 32:
-        raise ValueError(f"the Triton int4 kernel needs group_size to be a multiple of 32, got {group_size}")
-    want = (qweight.shape[0], K // group_size)
-    for name, t in (("scales", scales), ("mins", mins)):
-        if tuple(t.shape) != want or t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"int4 {name} must be a float [N, K // group_size] = {list(want)} tensor, "
-                             f"got {tuple(t.shape)} {t.dtype}")
+    _check_groups("int4", qweight, K, group_size, 32 if kernel else None, (("scales", scales), ("mins", mins)))
 
 
 def _check_int8(x, qweight, scales) -> None:
@@ -128,14 +135,7 @@ def _check_int8_group(x, qweight, scales, group_size, *, kernel: bool) -> None:
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[1] != K:
         raise ValueError(f"grouped int8 qweight must be int8 [N, K = {K}], got {tuple(qweight.shape)} "
                          f"{qweight.dtype}")
-    if group_size <= 0 or K % group_size:
-        raise ValueError(f"group_size {group_size} must be positive and divide K = {K}")
-    if kernel and group_size % 16:
-        raise ValueError(f"the Triton grouped int8 kernel needs group_size to be a multiple of 16, got {group_size}")
-    want = (qweight.shape[0], K // group_size)
-    if tuple(scales.shape) != want or scales.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"grouped int8 scales must be a float [N, K // group_size] = {list(want)} tensor, "
-                         f"got {tuple(scales.shape)} {scales.dtype}")
+    _check_groups("grouped int8", qweight, K, group_size, 16 if kernel else None, (("scales", scales),))
 
 
 # -- Triton kernels -----------------------------------------------------------------------------------------
