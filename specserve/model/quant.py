@@ -286,27 +286,7 @@ class CpuQuantWeight(_Quantized):
                 self.mins = self.mins.half()
 
     def unpacked(self) -> QuantizedTensor:
-        n, k = self.shape
-        g = k // GROUP
-        if self.tiled and self.bits == 8:  # [n / 16, g, 8 chunks, 16 columns, 4 codes] + 128
-            c = self.packed.view(n // TILE, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
-            codes = (c.to(torch.int16) - 128).to(torch.int8)
-        elif self.tiled:
-            b = self.packed.view(n // TILE, g, 4, TILE, 4)
-            codes = torch.stack([b & 0xF, b >> 4], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(n, k)
-        elif self.bits == 8:
-            codes = self.packed
-        else:
-            b = self.packed.view(n, g, GROUP // 2)
-            codes = torch.stack([b & 0xF, b >> 4], dim=2).reshape(n, k)
-
-        def values(t: torch.Tensor, halves: int) -> torch.Tensor:  # [n, g * halves] fp32
-            if t.dtype == torch.uint8:
-                return _unblob(t, n, g, halves, self.tiled)
-            return t.float().permute(0, 2, 1).reshape(n, g * halves) if self.tiled else t.float()
-
-        mins = None if self.mins is None else values(self.mins, 1)
-        return QuantizedTensor(self.bits, codes, values(self.scales, self.halves), mins)
+        return self.take_rows(torch.arange(self.out_features, device=self.packed.device))
 
     def take_rows(self, ids: torch.Tensor) -> QuantizedTensor:
         """Rows ``ids`` (output features) in the plain form, read from either layout: a tied embedding's lookup
