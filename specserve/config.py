@@ -28,6 +28,17 @@ def flag_keyword(f: Field[Any]) -> str:
     return f.metadata["flag"]["kw"] or f.name
 
 
+def flag_type(f: Field[Any]) -> type:
+    """The value type of a config field: bool, int, float or str (from its annotation, a type or its string
+    form such as ``int | None``)."""
+    if isinstance(f.type, type):
+        return f.type
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if name in str(f.type).split(" | "):
+            return kind
+    return str
+
+
 @dataclass(frozen=True)
 class ModelArch:
     """Architecture hyper-parameters of a decoder-only transformer. The families (``model/families/``) map
@@ -302,79 +313,56 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.method is not None
 
-    @staticmethod
-    def from_args(
-        speculative_model: str | None = None,
-        num_speculative_tokens: int | None = None,
-        speculative_method: str | None = None,
-        speculative_config: str | dict[str, Any] | None = None,
-        draft_layers: int | None = None,
-        prompt_lookup_min: int | None = None,
-        prompt_lookup_max: int | None = None,
-        speculative_adaptive: bool = True,
-        prompt_lookup_first: bool | None = None,
-        grammar_drafts: bool | None = None,
-        draft_tensor_parallel_size: int | None = None,
-        suffix_cache_tokens: int | None = None,
-        speculative_eagle_topk: int | None = None,
-        speculative_num_draft_tokens: int | None = None,
-        prompt_lookup_source: str | None = None,
-        speculative_model_revision: str | None = None,
-    ) -> SpeculativeConfig:
-        """Merge vLLM V0-style flags and a V1-style ``--speculative-config`` JSON into one config."""
-        cfg: dict[str, Any] = {}
-        if speculative_config:
-            if isinstance(speculative_config, str):
-                try:
-                    cfg = json.loads(speculative_config)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-            else:
-                cfg = dict(speculative_config)
-            if not isinstance(cfg, dict):
-                raise ValueError("--speculative-config must be a JSON object")
-            known = {f.name for f in fields(SpeculativeConfig)}
-            unknown = set(cfg) - known
-            if unknown:
-                raise ValueError(f"unknown --speculative-config keys: {sorted(unknown)}")
-        method = speculative_method or cfg.get("method")
-        model = speculative_model or cfg.get("model")
-        k = num_speculative_tokens if num_speculative_tokens is not None else cfg.get("num_speculative_tokens")
-        if method == "[ngram]":  # vLLM V0 spelling: --speculative-model "[ngram]"
+    @classmethod
+    def from_args(cls, speculative_config: str | dict[str, Any] | None = None, **flags: Any) -> SpeculativeConfig:
+        """Merge vLLM V0-style flags and a V1-style ``--speculative-config`` JSON into one config.
+
+        ``flags`` are the fields' flag keywords (``flag_keyword``: ``speculative_model``, ``prompt_lookup_max``,
+        ...); the JSON's keys are the field names. Per field, a flag that is given (not None) beats the JSON,
+        and the JSON beats the field's default."""
+        keywords = {flag_keyword(f): f for f in fields(cls)}
+        unknown_flags = set(flags) - set(keywords)
+        if unknown_flags:
+            raise TypeError(f"unknown speculative arguments: {sorted(unknown_flags)}")
+        json_cfg = _speculative_json(speculative_config, {f.name for f in fields(cls)})
+        values: dict[str, Any] = {}
+        for kw, f in keywords.items():
+            value = flags.get(kw)
+            if value is None:
+                value = json_cfg.get(f.name)
+            if value is not None:
+                kind = flag_type(f)
+                values[f.name] = kind(value) if kind in (int, bool) else value
+        method, model = values.get("method"), values.get("model")
+        if "[ngram]" in (method, model):  # vLLM V0 spelling: --speculative-model "[ngram]"
             method, model = "ngram", None
-        if model == "[ngram]":
-            method, model = "ngram", None
-        revision = speculative_model_revision or cfg.get("revision")
-        model = resolve_model(model, revision)  # a hub id -> its local snapshot or file
+        model = resolve_model(model, values.get("revision"))  # a hub id -> its local snapshot or file
         if method is None and model:
             method = "eagle" if is_eagle_dir(model) else "draft"
         if method is None:
-            return SpeculativeConfig()
-        if k is None:
-            k = 5 if method in ("ngram", "suffix") else 4
-        lookup_min = prompt_lookup_min if prompt_lookup_min is not None else cfg.get("prompt_lookup_min")
-        lookup_max = prompt_lookup_max if prompt_lookup_max is not None else cfg.get("prompt_lookup_max", 4)
-        return SpeculativeConfig(
-            method=method,
-            model=model,
-            revision=revision,
-            num_speculative_tokens=int(k),
-            prompt_lookup_min=None if lookup_min is None else int(lookup_min),
-            prompt_lookup_max=int(lookup_max),
-            draft_layers=draft_layers if draft_layers is not None else cfg.get("draft_layers"),
-            adaptive=bool(cfg.get("adaptive", speculative_adaptive)),
-            prompt_lookup_first=bool(prompt_lookup_first if prompt_lookup_first is not None
-                                     else cfg.get("prompt_lookup_first", False)),
-            grammar_drafts=bool(grammar_drafts if grammar_drafts is not None else cfg.get("grammar_drafts", True)),
-            draft_tensor_parallel_size=draft_tensor_parallel_size if draft_tensor_parallel_size is not None
-            else cfg.get("draft_tensor_parallel_size"),
-            suffix_cache_tokens=int(suffix_cache_tokens if suffix_cache_tokens is not None
-                                    else cfg.get("suffix_cache_tokens", 200_000)),
-            eagle_topk=int(speculative_eagle_topk if speculative_eagle_topk is not None else cfg.get("eagle_topk", 1)),
-            num_draft_tokens=speculative_num_draft_tokens if speculative_num_draft_tokens is not None
-            else cfg.get("num_draft_tokens"),
-            prompt_lookup_source=prompt_lookup_source or cfg.get("prompt_lookup_source", "prompt"),
-        )
+            return cls()
+        values.update(method=method, model=model)
+        values.setdefault("num_speculative_tokens", 5 if method in ("ngram", "suffix") else 4)
+        return cls(**values)
+
+
+def _speculative_json(speculative_config: str | dict[str, Any] | None, known: set[str]) -> dict[str, Any]:
+    """``--speculative-config`` (JSON text or a dict) as a dict of known field names."""
+    if not speculative_config:
+        return {}
+    if isinstance(speculative_config, str):
+        try:
+            cfg = json.loads(speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    else:
+        cfg = dict(speculative_config)
+    if not isinstance(cfg, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    unknown = set(cfg) - known
+    if unknown:
+        raise ValueError(f"unknown --speculative-config keys: {sorted(unknown)}")
+    return cfg
 
 
 def is_eagle_dir(path: str | None) -> bool:

@@ -25,16 +25,6 @@ class EngineFlag:
     positive: bool = True
 
 
-def _kind(annotation: Any) -> type:
-    """The value type of a field annotation: a type, or its string form (``int | None``)."""
-    if isinstance(annotation, type):
-        return annotation
-    for name, kind in (("bool", bool), ("int", int), ("float", float)):
-        if name in str(annotation).split(" | "):
-            return kind
-    return str
-
-
 def engine_flags() -> list[EngineFlag]:
     """Every engine flag, read from the config dataclasses' field metadata."""
     from specserve import config
@@ -54,7 +44,7 @@ def engine_flags() -> list[EngineFlag]:
                 from specserve.platform import DEVICE_CHOICES  # platform imports config: resolved here
 
                 choices = tuple(DEVICE_CHOICES)
-            out.append(EngineFlag(kw, options, _kind(f.type), f.default, meta["help"], choices, group,
+            out.append(EngineFlag(kw, options, config.flag_type(f), f.default, meta["help"], choices, group,
                                   meta["negative"], meta["positive"]))
     return out
 

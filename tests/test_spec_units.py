@@ -3,6 +3,8 @@ controller math."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -99,6 +101,31 @@ def test_config_flags_override_json():
     cfg = SpeculativeConfig.from_args(speculative_method="draft", speculative_model="/flag",
                                       speculative_config='{"method": "ngram", "model": "/json"}')
     assert (cfg.method, cfg.model) == ("draft", "/flag")
+
+
+def test_config_flag_beats_json_for_every_field():
+    # adaptive too: an explicit --no-speculative-adaptive beats the JSON's "adaptive": true
+    cfg = SpeculativeConfig.from_args(speculative_adaptive=False,
+                                      speculative_config='{"method": "ngram", "adaptive": true}')
+    assert not cfg.adaptive
+    cfg = SpeculativeConfig.from_args(speculative_adaptive=True,
+                                      speculative_config='{"method": "ngram", "adaptive": false}')
+    assert cfg.adaptive
+    assert not SpeculativeConfig.from_args(speculative_config='{"method": "ngram", "adaptive": false}').adaptive
+    cfg = SpeculativeConfig.from_args(speculative_method="ngram", suffix_cache_tokens=7, speculative_eagle_topk=1,
+                                      prompt_lookup_source="suffix", grammar_drafts=False,
+                                      speculative_config='{"suffix_cache_tokens": 9, "prompt_lookup_source": '
+                                                         '"prompt", "grammar_drafts": true}')
+    assert (cfg.suffix_cache_tokens, cfg.prompt_lookup_source, cfg.grammar_drafts) == (7, "suffix", False)
+
+
+def test_config_defaults_come_from_the_fields():
+    cfg = SpeculativeConfig.from_args(speculative_method="ngram")
+    for f in dataclasses.fields(SpeculativeConfig):
+        if f.name not in ("method", "num_speculative_tokens", "prompt_lookup_min"):
+            assert getattr(cfg, f.name) == f.default, f.name
+    with pytest.raises(TypeError, match="unknown speculative arguments"):
+        SpeculativeConfig.from_args(speculative_method="ngram", num_spec_tokens=3)
 
 
 def test_config_through_engine_kwargs():

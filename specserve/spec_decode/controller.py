@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -114,6 +114,21 @@ class Acceptance:
             self.tried[j] = decay * self.tried[j] + 1.0
 
 
+def gains_over_prior(counts: Acceptance | None, prior: Sequence[float], weight: float) -> list[float]:
+    """m_j = c_1 ... c_j for each position j of ``prior``, where c_j = (accepted_j + weight * prior_j) /
+    (tried_j + weight): a position's decayed counts over its prior (the prior alone where not counted)."""
+    out, m = [], 1.0
+    for j, p in enumerate(prior):
+        c = p if counts is None or j >= len(counts.acc) else (counts.acc[j] + weight * p) / (counts.tried[j] + weight)
+        m *= c
+        out.append(m)
+    return out
+
+
+PRIOR_ALPHA = 0.6  # acceptance of a draft position before it is measured
+PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior in an estimate
+
+
 LOOKUP_SOURCE = "lookup"  # prompt lookup inside a hybrid (--prompt-lookup-first)
 GRAMMAR_SOURCE = "grammar"  # tokens a structured output's grammar forces (worker/drafter.py)
 FREE_SOURCES = frozenset({LOOKUP_SOURCE, GRAMMAR_SOURCE})  # drafts that cost no draft-model step
@@ -127,8 +142,8 @@ class SpecController:
     global prior per source, and drafts of ``FREE_SOURCES`` add verification tokens but no draft steps.
     """
 
-    def __init__(self, max_k: int, adaptive: bool = True, prior_alpha: float = 0.6,
-                 explore_every: int = 16, prior_weight: float = 2.0, min_gain: float = 0.03) -> None:
+    def __init__(self, max_k: int, adaptive: bool = True, prior_alpha: float = PRIOR_ALPHA,
+                 explore_every: int = 16, prior_weight: float = PRIOR_WEIGHT, min_gain: float = 0.03) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
         # Called with ("target" | "draft", count, seconds) for every cost sample (benchmarks read them).

@@ -32,13 +32,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specserve.spec_decode.controller import LOOKUP_SOURCE, Acceptance
+from specserve.spec_decode.controller import (
+    LOOKUP_SOURCE,
+    PRIOR_ALPHA,
+    PRIOR_WEIGHT,
+    Acceptance,
+    gains_over_prior,
+)
 from specserve.spec_decode.ngram import NgramIndexes
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
 from specserve.spec_decode.suffix import SuffixProposer
 
 MODEL_SOURCE = "model"
-_PRIOR, _PRIOR_WEIGHT = 0.6, 2.0  # a match length's acceptance before it was measured (pseudo-counts)
 
 
 class LookupFirstProposer:
@@ -76,15 +81,9 @@ class LookupFirstProposer:
         return self._lookup(req, max_k)[2]
 
     def lookup_gains(self, n: int, k: int) -> list[float]:
-        """m_j = c_1 ... c_j for j <= k: expected tokens lookup draft j adds after a match of length n."""
-        acc = self._by_n.get(n)
-        out, m = [], 1.0
-        for j in range(k):
-            c = _PRIOR if acc is None or j >= len(acc.acc) else \
-                (acc.acc[j] + _PRIOR_WEIGHT * _PRIOR) / (acc.tried[j] + _PRIOR_WEIGHT)
-            m *= c
-            out.append(m)
-        return out
+        """m_j = c_1 ... c_j for j <= k: expected tokens lookup draft j adds after a match of length n (the
+        controller's prior acceptance at every position where this match length has not been measured)."""
+        return gains_over_prior(self._by_n.get(n), [PRIOR_ALPHA] * k, PRIOR_WEIGHT)
 
     def observe(self, req_id: str, source: str, num_draft: int, num_accepted: int) -> None:
         """A verification of this request's drafts (from ``source``): lookup's acceptance by match length."""
