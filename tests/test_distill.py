@@ -299,3 +299,37 @@ def test_init_starts_from_an_exported_head(setup, capsys):
                  "--kind", "head", "--init", base, "--feature-layers", "last"]) == 2
     assert "--feature-layers" in capsys.readouterr().err
     assert not os.path.exists(os.path.join(bad, "samples.pt"))  # refused before collecting
+
+
+def test_narrow_head_stored_in_int8_serves_exactly(setup):
+    """--head-intermediate narrows the head's MLP (cut from the target's last layer), --head-storage int8
+    halves the file; the head loads back to the weights it was trained to (within a per-row int8 step) and
+    greedy output stays exact."""
+    from safetensors.torch import load_file
+
+    from specserve.model.eagle_head import dequantize_rows, read_eagle_config
+
+    out = str(setup["root"] / "head_narrow")
+    _distill(setup, out, "--kind", "head", "--steps", "2", "--eval-prompts", "0", "--head-intermediate", "32",
+             "--head-storage", "int8")
+    assert read_eagle_config(out).intermediate_size == 32
+    raw = load_file(os.path.join(out, "model.safetensors"))
+    assert raw["layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    assert raw["layers.0.mlp.down_proj.weight"].shape[1] == 32
+    assert raw["fc.weight.row_scale"].shape == (raw["fc.weight"].shape[0],)
+    sd = dequantize_rows(raw, out)
+    assert sd["fc.weight"].dtype == torch.float32 and not any(k.endswith(".row_scale") for k in sd)
+    _greedy_equal(setup["target"], 4, speculative_method="eagle", speculative_model=out)
+
+
+def test_narrowed_mlp_keeps_the_strongest_channels():
+    from specserve.distill.train import narrowed_mlp
+
+    inter, hidden = 6, 4
+    gate_up = torch.ones(2 * inter, hidden)
+    down = torch.ones(hidden, inter)
+    down[:, 1] *= 5
+    down[:, 4] *= 3
+    out = narrowed_mlp({"mlp.gate_up": gate_up, "mlp.down": down, "x": torch.zeros(1)}, 2)
+    assert torch.equal(out["mlp.down"], down[:, [1, 4]]) and out["mlp.gate_up"].shape == (4, hidden)
+    assert narrowed_mlp({"mlp.gate_up": gate_up, "mlp.down": down}, 8)["mlp.down"] is down

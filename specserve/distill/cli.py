@@ -63,6 +63,11 @@ def add_distill_parser(sub: Any) -> None:
     d.add_argument("--feature-layers", default="eagle3",
                    help="head: the target layers it reads, 1-based and comma-separated, ending with the last; "
                         "'last' (EAGLE-1) or 'eagle3' (a low, the middle and the last layer: 2, L/2, L)")
+    d.add_argument("--head-intermediate", type=int, default=None,
+                   help="head: MLP width of its decoder layer (default: the target's); a narrower one starts as "
+                        "the target's last-layer MLP cut to its strongest channels")
+    d.add_argument("--head-storage", choices=["float16", "int8"], default="float16",
+                   help="head: how model.safetensors stores the matrices (int8: per-row scales, half the bytes)")
     d.add_argument("--unroll-weight", type=float, default=1.0, help="head: weight of the unrolled 2nd step")
     d.add_argument("--holdout", type=float, default=0.25, help="fraction of prompts held out for evaluation")
     d.add_argument("--max-prompt-tokens", type=int, default=512,
@@ -281,12 +286,20 @@ def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) ->
         if args.init:
             from safetensors.torch import load_file
 
-            init = dict(load_file(os.path.join(os.path.expanduser(args.init), "model.safetensors")))  # checked
+            from specserve.model.eagle_head import dequantize_rows
+
+            init_file = os.path.join(os.path.expanduser(args.init), "model.safetensors")
+            init = dequantize_rows(dict(load_file(init_file)), init_file)  # checked
             vocab = init.pop("draft_vocab", None)  # the head keeps the vocabulary it drafts from
             top1 = torch.cat([s.top_ids[:, 0] for s in samples]).long()
             coverage = 1.0 if vocab is None else float(torch.isin(top1, vocab).float().mean())
         cfg.vocab = vocab  # train over exactly the vocabulary the head will draft from
-        task = HeadTask(target, cfg, rms, llm.engine.model_name, target.feature_layers)
+        width = args.head_intermediate
+        if args.init:
+            from specserve.model.eagle_head import read_eagle_config
+
+            width = read_eagle_config(args.init).intermediate_size
+        task = HeadTask(target, cfg, rms, llm.engine.model_name, target.feature_layers, width)
         if init is not None:
             task.head.load_hf_state_dict(init, args.init)
     else:
@@ -300,7 +313,7 @@ def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) ->
         "last_losses": result["history"][-5:]}
     if isinstance(task, HeadTask):
         meta["draft_vocab_top1_coverage"] = round(coverage, 4)
-        save_eagle_head(task.head, args.out, draft_vocab=vocab)
+        save_eagle_head(task.head, args.out, draft_vocab=vocab, storage=args.head_storage)
     else:
         save_hf_model(task.model, args.out, llm.tokenizer.hf_tokenizer, extra={"specserve_distilled": True})
     return meta

@@ -137,22 +137,38 @@ def soft_ce(model: LlamaModel, features: torch.Tensor, b: Batch, rows: torch.Ten
     return loss, agree
 
 
+def narrowed_mlp(layer: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
+    """A decoder layer's state dict with its (fused gate_up, down) MLP cut to the ``width`` channels with
+    the largest |gate| * |up| * |down| norms; unchanged where the MLP is not wider than ``width``."""
+    gate_up, down = layer.get("mlp.gate_up"), layer.get("mlp.down")
+    if gate_up is None or down is None or down.dim() != 2 or down.shape[1] <= width:
+        return layer
+    inter = down.shape[1]
+    gate, up = gate_up.float()[:inter], gate_up.float()[inter:]
+    score = gate.norm(dim=1) * up.norm(dim=1) * down.float().norm(dim=0)
+    keep = score.topk(width).indices.sort().values
+    return {**layer, "mlp.gate_up": torch.cat([gate[keep], up[keep]]).to(gate_up.dtype),
+            "mlp.down": down[:, keep].contiguous()}
+
+
 class HeadTask:
     """EAGLE head over the frozen target (embedding, final norm, LM head)."""
 
     kind = "head"
 
     def __init__(self, target: LlamaModel, cfg: TrainConfig, feature_rms: float, name: str = "",
-                 feature_layers: tuple[int, ...] | None = None) -> None:
+                 feature_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None) -> None:
         self.target, self.cfg, self.scale = target, cfg, feature_rms
-        self.head = EagleHead(EagleConfig.from_target(target.arch, name, feature_layers), torch.float32,
-                              target.device, None, target.arch.max_position_embeddings + 64)
+        self.head = EagleHead(EagleConfig.from_target(target.arch, name, feature_layers, intermediate_size),
+                              torch.float32, target.device, None, target.arch.max_position_embeddings + 64)
         h = target.arch.hidden_size
         with torch.no_grad():
             # The head's layer is a Llama layer: it starts as the target's last layer where the two share a
             # parameter (the whole layer for a Llama target; attention for Gemma or an MoE target, whose other
-            # parts have no counterpart and start small and random).
-            own, last = self.head.layer.state_dict(), target.layers[-1].state_dict()
+            # parts have no counterpart and start small and random). A narrower MLP starts as the last layer's
+            # MLP cut to its strongest channels.
+            own, last = self.head.layer.state_dict(), narrowed_mlp(target.layers[-1].state_dict(),
+                                                                  self.head.cfg.intermediate_size)
             for name, p in own.items():
                 if name in last and last[name].shape == p.shape:
                     p.copy_(last[name])

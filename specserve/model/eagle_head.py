@@ -31,6 +31,7 @@ from specserve.model.ops import TorchOps
 from specserve.model.quant import GROUP, CpuQuantWeight, PackedWeight, packed_linear, quantize
 
 EAGLE_KIND = "eagle"
+ROW_SCALE = ".row_scale"  # int8 storage: a matrix's per-row fp16 scales
 _LAYER = "layers.0."
 
 
@@ -59,8 +60,10 @@ class EagleConfig:
     feature_layers: tuple[int, ...] | None = None
 
     @staticmethod
-    def from_target(arch: ModelArch, name: str = "", feature_layers: tuple[int, ...] | None = None) -> EagleConfig:
-        return EagleConfig(arch.vocab_size, arch.hidden_size, arch.intermediate_size, arch.num_heads,
+    def from_target(arch: ModelArch, name: str = "", feature_layers: tuple[int, ...] | None = None,
+                    intermediate_size: int | None = None) -> EagleConfig:
+        """The head for ``arch``; its MLP is the target's width unless ``intermediate_size`` narrows it."""
+        return EagleConfig(arch.vocab_size, arch.hidden_size, intermediate_size or arch.intermediate_size, arch.num_heads,
                            arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps, arch.rope_theta,
                            arch.rope_scaling, arch.max_position_embeddings, name, input_norms=True,
                            feature_layers=feature_layers)
@@ -239,20 +242,45 @@ class EagleHead(nn.Module):
 
 
 def save_eagle_head(head: EagleHead, out_dir: str, extra: dict[str, Any] | None = None,
-                    draft_vocab: torch.Tensor | None = None) -> None:
-    """config.json + model.safetensors (fp16, the head's own weights only; ``draft_vocab``: int64 ids)."""
+                    draft_vocab: torch.Tensor | None = None, storage: str = "float16") -> None:
+    """config.json + model.safetensors: the head's own weights only (``draft_vocab``: int64 ids).
+
+    ``storage``: "float16", or "int8": each matrix as int8 codes with one fp16 scale per row (``NAME`` and
+    ``NAME.row_scale``), half the bytes. Serving quantizes the head to 8 bits in groups of 32 anyway, and a
+    draft only proposes, so the rounding can change which tokens are drafted, never the output."""
     from safetensors.torch import save_file
 
+    if storage not in ("float16", "int8"):
+        raise ValueError(f"storage {storage!r}: float16 or int8")
     os.makedirs(out_dir, exist_ok=True)
     cfg = {"specserve_draft": EAGLE_KIND, "model_type": "specserve_eagle", **asdict(head.cfg),
            "draft_vocab_size": 0 if draft_vocab is None else int(draft_vocab.numel()),
-           "torch_dtype": "float16", **(extra or {})}
+           "torch_dtype": "float16", "weight_storage": storage, **(extra or {})}
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
-    tensors = {n: t.to(torch.float16).contiguous().cpu() for n, t in head.hf_state_dict().items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for n, t in head.hf_state_dict().items():
+        t = t.float().cpu()
+        if storage == "int8" and t.dim() == 2:
+            scale = (t.abs().amax(dim=1) / 127.0).clamp_min(1e-8).to(torch.float16)
+            tensors[n] = torch.round(t / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            tensors[n + ROW_SCALE] = scale.contiguous()
+        else:
+            tensors[n] = t.to(torch.float16).contiguous()
     if draft_vocab is not None:
         tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous().cpu()
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def dequantize_rows(sd: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """A head state dict with ``NAME.row_scale`` entries (int8 storage) -> plain float tensors."""
+    out = {n: t for n, t in sd.items() if not n.endswith(ROW_SCALE)}
+    for n in [n[:-len(ROW_SCALE)] for n in sd if n.endswith(ROW_SCALE)]:
+        codes, scale = out.get(n), sd[n + ROW_SCALE]
+        if codes is None or codes.dtype != torch.int8 or codes.dim() != 2 or tuple(scale.shape) != (codes.shape[0],):
+            raise CheckpointError(f"{where}: {n}{ROW_SCALE} needs an int8 matrix {n} with one scale per row")
+        out[n] = codes.float() * scale.float()[:, None]
+    return out
 
 
 def read_eagle_config(path: str) -> EagleConfig:
@@ -304,6 +332,7 @@ def load_eagle_head(path: str, target: ModelArch, lm_head: torch.Tensor, dtype: 
     except Exception as e:
         raise CheckpointError(f"{file}: cannot read the EAGLE head weights ({type(e).__name__}: {e})") from e
     head = EagleHead(cfg, dtype, device, backend, max_positions)
+    sd = dequantize_rows(sd, file)
     vocab = sd.pop("draft_vocab", None)
     head.load_hf_state_dict(sd, file)
     if vocab is not None:
