@@ -5,7 +5,7 @@
 - Plumbing: every draft the engine proposed equals the argmax of the *dense* training forward
   (distill/dense.py) on the same tokens with the target's own features -- this pins feature alignment
   (h_{p-1} with t_p), the head's KV catch-up and the second, self-fed draft step. Near-ties (top-2 logits
-  within 1e-4) are tolerated and counted, per docs/speculation.md.
+  within 1e-4) are tolerated and counted, per docs/speculative_decoding.md.
 - A head whose vocabulary or hidden size does not match the target is refused with a clear message.
 """
 

@@ -43,7 +43,7 @@ def near_tie(llm: LLM, tokens: list[int]) -> float:
 
 def assert_same_or_near_tie(llm: LLM, prompt: list[int], got: list[int], ref: list[int],
                             ties: list[tuple]) -> None:
-    """docs/speculation.md's rule: identical, or diverging only where the reference's top-2 gap < 1e-4."""
+    """docs/speculative_decoding.md's rule: identical, or diverging only where the reference's top-2 gap < 1e-4."""
     if got == ref:
         return
     i = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))

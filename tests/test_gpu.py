@@ -16,7 +16,7 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. Th
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_equality_with_speculation_on_gpu(dtype):
     """Speculation on vs off, greedy: equal, or diverging only at a near-tie of the reference (the rule of
-    docs/speculation.md). bf16 logits are coarser: a near-tie there is one bf16 step at |logit| in [16, 32)."""
+    docs/speculative_decoding.md). bf16 logits are coarser: a near-tie there is one bf16 step at |logit| in [16, 32)."""
     from specserve.llm import LLM
     from tests.test_spec_equality import NEAR_TIE, assert_same
 

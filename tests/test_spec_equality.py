@@ -1,11 +1,11 @@
-"""End to end: greedy output with speculation equals greedy output without it (docs/speculation.md).
+"""End to end: greedy output with speculation equals greedy output without it (docs/speculative_decoding.md).
 
 Breadth on tiny random models (fp32 CPU): 52 prompts, every method (ngram, layer_skip, draft) x every
 k in {1, 3, 5, 8} at batch 8, every method at batch 1 and 32 (k = 3), every method under forced preemption
 (a Qwen2 target), penalties, stops (max_tokens, EOS, stop token ids, stop strings) that land inside an
 accepted run, and a seeded sampled request alone vs inside a batch. A real case on the demo model (slow).
 
-Numerics rule (docs/speculation.md, "The exactness rule"): a divergence is accepted only where the reference's top-2 logits
+Numerics rule (docs/speculative_decoding.md, "The exactness rule"): a divergence is accepted only where the reference's top-2 logits
 differ by less than 1e-4 at the diverging position (and the speculative token is one of those near-tied
 tokens); such cases are counted and printed, anything else fails.
 

@@ -2,7 +2,7 @@
 
 Sharding arithmetic is checked in-process; everything else starts real worker processes (the mp executor),
 so each engine here costs a few seconds of start-up. Greedy output at TP=2 is compared with TP=1 under the
-near-tie rule (docs/speculation.md): identical, or diverging only where the reference's top-2 gap < 1e-4
+near-tie rule (docs/speculative_decoding.md): identical, or diverging only where the reference's top-2 gap < 1e-4
 (the ranks add partial sums in another order than one rank does).
 """
 

@@ -262,7 +262,7 @@ def verify_tree(processed_logits: torch.Tensor, state: RequestSamplingState, tok
     ``processed_logits`` [N + 1, V]: row 0 the root's, row i + 1 node i's (each processed as after its
     ancestors); ``tokens[i]`` node i's token, ``parents[i]`` its parent's node index (-1: the root), every
     parent before its children. Greedy: follow the child that equals the target's argmax while one does,
-    then emit the argmax. Sampled: ``tree_walk`` (multi-draft rejection, exact; docs/speculation.md).
+    then emit the argmax. Sampled: ``tree_walk`` (multi-draft rejection, exact; docs/speculative_decoding.md).
     """
     n = len(tokens)
     if processed_logits.shape[0] != n + 1 or len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):

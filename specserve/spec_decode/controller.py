@@ -1,6 +1,6 @@
 """Choose each request's k (0 = no speculation) every step from measured acceptance and measured cost.
 
-Cost model (docs/speculation.md): a step with B decoding requests drafting k_i tokens each costs
+Cost model (docs/speculative_decoding.md): a step with B decoding requests drafting k_i tokens each costs
 ``T_target(B + sum k_i tokens) + max k_i * T_draft(#drafting)``, versus ``T_target(B)`` without speculation.
 With i.i.d. per-token acceptance a, a pass emits ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens (Leviathan et
 al. 2023, eq. 1). Acceptance is not i.i.d. in practice (an n-gram match that survives its first token tends to

@@ -6,7 +6,7 @@ EAGLE head reads. The model runner runs the target, verifies, reports what it me
 (``record_target``, ``record_acceptance``) and asks ``propose(candidates)`` once per step.
 
 ``--speculative-method`` is resolved here, once, at start-up (``_load_draft_model``, ``_make_proposer``);
-nothing on the hot path branches on it. See docs/speculation.md.
+nothing on the hot path branches on it. See docs/speculative_decoding.md.
 """
 
 from __future__ import annotations
