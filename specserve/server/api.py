@@ -220,9 +220,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    completion_fields = set(CompletionRequest.model_fields)
-    tokenize_fields = set(TokenizeRequest.model_fields)
-    chat_fields = set(ChatCompletionRequest.model_fields)
+    _add_status_routes(app, state)
+    _add_tokenizer_routes(app, state)
+    _add_model_routes(app, state)
+    _add_generation_routes(app, state)
+
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /version and /metrics."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -243,6 +248,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
+
+
+def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's /tokenize, /detokenize and /tokenizer_info."""
+    tokenize_fields = set(TokenizeRequest.model_fields)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -277,6 +287,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 "pad_token": hf.pad_token, "unk_token": hf.unk_token, "chat_template": state.chat_template,
                 "model_max_length": state.max_model_len, "vocab_size": state.tokenizer.vocab_size}
 
+
+def _add_model_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/models and /v1/models/{id}: the served model."""
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         root = state.engine.engine.config.model.model or state.served_name
@@ -292,6 +306,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                             root=state.engine.engine.config.model.model or state.served_name
                                             ).model_dump())
 
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/completions and /v1/chat/completions."""
+    completion_fields = set(CompletionRequest.model_fields)
+    chat_fields = set(ChatCompletionRequest.model_fields)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         try:
@@ -304,10 +324,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             streams = await start(state, rid, body.prompts(), params, body.speculative is not False)
         except Exception as e:
             return as_api_error(e, completion_fields, body.constraint_param()).response()
-        run = Run(state, rid, streams, params, body.include_usage)
-        run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
-        run.echo, run.prompt_field, run.prompt_only = bool(body.echo), body.prompt_logprobs is not None, prompt_only
-        run.metadata = body.metadata
+        run = Run(state, rid, streams, params, body.include_usage,
+                  spec_info=webui.spec_info_for(body, state.tokenizer, params), metadata=body.metadata,
+                  echo=bool(body.echo), prompt_field=body.prompt_logprobs is not None, prompt_only=prompt_only)
         if body.stream:
             return sse_response(events(run, completion_chunks(run), "text_completion"))
         try:

@@ -113,22 +113,21 @@ async def start_chat(state: ServerState, body: proto.ChatCompletionRequest, rid:
     if constraint is not params.structured_outputs:
         params = dataclasses.replace(params, structured_outputs=constraint)
     streams = await start(state, rid, [ids], params, body.speculative is not False)
-    run = Run(state, rid, streams, params, body.include_usage)
-    run.tool_plan = plan
-    run.metadata = body.metadata
-    run.legacy_functions = body.functions is not None
-    if plan.active and plan.mode in ("auto", "required"):
-        run.cut = plan.repeat_cut
-    run.prompt_field = body.prompt_logprobs is not None  # non-streamed responses carry them
-    run.spec_info = webui.spec_info_for(body, state.tokenizer, params)
-    return run
+    return Run(state, rid, streams, params, body.include_usage,
+               spec_info=webui.spec_info_for(body, state.tokenizer, params), tool_plan=plan,
+               cut=plan.repeat_cut if plan.active and plan.mode in ("auto", "required") else None,
+               metadata=body.metadata, legacy_functions=body.functions is not None,
+               prompt_field=body.prompt_logprobs is not None)  # non-streamed responses carry prompt logprobs
 
 
 class Run:
     """One HTTP request's engine requests: merged outputs, per-choice deltas, timing and usage."""
 
     def __init__(self, state: ServerState, rid: str, streams: list[RequestStream], params: SamplingParams,
-                 include_usage: bool) -> None:
+                 include_usage: bool, *, spec_info: webui.SpecInfo | None = None, tool_plan: ToolPlan | None = None,
+                 cut: Callable[[str], int | None] | None = None, metadata: dict[str, str] | None = None,
+                 legacy_functions: bool = False, echo: bool = False, prompt_field: bool = False,
+                 prompt_only: bool = False) -> None:
         self.state, self.id, self.streams, self.params = state, rid, streams, params
         self.include_usage = include_usage
         self.model = state.served_name
@@ -138,19 +137,20 @@ class Run:
         self.deltas: dict[int, Delta] = {}
         self._num_tokens = 0
         self._hold = max((len(s) for s in params.stop or []), default=1) - 1  # see Delta
-        self.spec_info: webui.SpecInfo | None = None  # stream_options.include_spec_info (server/webui.py)
-        self.tool_plan: ToolPlan | None = None  # chat with tools (server/tools.py)
-        # Where to end a choice's text early (None: not yet), e.g. before a repeated tool call; such a
-        # choice finishes with "stop" there, and the engine request is aborted once every choice has ended.
-        self.cut: Callable[[str], int | None] | None = None
+        self.spec_info = spec_info  # stream_options.include_spec_info (server/webui.py)
+        self.tool_plan = tool_plan  # chat with tools (server/tools.py)
+        # Where to end a choice's text early (None: never), e.g. before a repeated tool call; such a choice
+        # finishes with "stop" there, and the engine request is aborted once every choice has ended.
+        self.cut = cut
         self._cuts: dict[tuple[int, int], CompletionOutput] = {}
-        self.metadata: dict[str, str] | None = None  # OpenAI's request metadata, echoed in the response body
-        self.legacy_functions = False  # the request used the deprecated ``functions``: answer with function_call too
+        self.metadata = metadata  # OpenAI's request metadata, echoed in the response body
+        # the request used the deprecated ``functions``: answer with function_call too
+        self.legacy_functions = legacy_functions
         # completions: ``echo`` (the prompt before each choice's text) and vLLM's ``prompt_logprobs`` field;
         # ``prompt_only``: ``echo`` with ``max_tokens`` 0 (the engine samples one token, which is not shown)
-        self.echo = False
-        self.prompt_field = False
-        self.prompt_only = False
+        self.echo = echo
+        self.prompt_field = prompt_field
+        self.prompt_only = prompt_only
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         merged = cast(AsyncGenerator[tuple[int, RequestOutput], None], merge_streams(self.streams))
