@@ -146,8 +146,10 @@ def project(costs: dict[str, Any], acceptance: dict[str, list[float]], basis: st
 
 
 # -- shapes --------------------------------------------------------------------------------------------------------
-def shapes(small: bool, head_intermediate: int, draft_vocab: int, feature_layers: tuple[int, ...]) -> dict[str, Any]:
-    """ModelArch fields of the target and the draft, and the head's; ``small``: scaled down for a CPU smoke."""
+def shapes(small: bool, head_intermediate: int, draft_vocab: int, feature_layers: tuple[int, ...],
+           layers: int | None = None) -> dict[str, Any]:
+    """ModelArch fields of the target and the draft, and the head's; ``small``: scaled down for a CPU smoke;
+    ``layers``: the real widths with this many layers in each model (a check of the shapes on a CPU)."""
     if small:
         target = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                       intermediate_size=256, vocab_size=1024)
@@ -162,6 +164,9 @@ def shapes(small: bool, head_intermediate: int, draft_vocab: int, feature_layers
                      intermediate_size=4864, vocab_size=151936)
         head = dict(intermediate_size=head_intermediate, draft_vocab_size=draft_vocab,
                     feature_layers=feature_layers)
+    if layers:
+        target["num_layers"] = draft["num_layers"] = layers
+        head["feature_layers"] = tuple(sorted({min(i, layers) for i in head["feature_layers"]}))
     return {"target": target, "draft": draft, "head": head}
 
 
@@ -365,11 +370,14 @@ def measure(args) -> dict[str, Any]:  # noqa: ANN001
     platform = detect(args.device)
     info = platform.describe()
     name = info.get("gpu_name") or f"CPU ({cpu_class()})"
-    sh = shapes(args.small, args.head_intermediate, args.draft_vocab, tuple(args.feature_layers))
+    sh = shapes(args.small, args.head_intermediate, args.draft_vocab, tuple(args.feature_layers), args.layers)
     quants = args.quantizations or (["none", "int8", "int4"] if platform.is_gpu else ["none"])
-    print(f"device: {name}; shapes: {'small (CPU smoke)' if args.small else 'Qwen2.5-Coder 1.5B / 0.5B, exact'}; "
+    what = "small (CPU smoke)" if args.small else "Qwen2.5-Coder 1.5B / 0.5B widths" + \
+        (f", {args.layers} layers each (NOT the real depth)" if args.layers else ", exact")
+    print(f"device: {name}; shapes: {what}; "
           f"context {args.context}; batches {args.batches}; formats {quants}", flush=True)
-    costs: dict[str, Any] = {"device": name, "platform": info, "small": args.small, "shapes": sh,
+    costs: dict[str, Any] = {"device": name, "platform": info, "small": args.small, "layers_override": args.layers,
+                             "shapes": sh,
                              "context": args.context, "batches": sorted(args.batches), "k_max": args.max_k,
                              "iters": args.iters, "formats": {}}
     for quant in quants:
@@ -427,6 +435,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", help="auto | cuda | rocm | cpu (specserve.platform.detect)")
     ap.add_argument("--small", action="store_true", help="scaled-down shapes (CPU smoke of this script)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the real widths with this many layers per model (a CPU check of the shapes; not a projection)")
     ap.add_argument("--quantizations", type=lambda s: s.split(","), default=None,
                     help="--quantization modes to measure (default: none,int8,int4 on a GPU, none on CPU)")
     ap.add_argument("--dtype", default="auto", help="compute dtype (auto: the engine's choice; bf16 on a GPU)")
