@@ -113,3 +113,29 @@ def test_the_checker_sees_a_lazy_import():
     """The checks read imports inside functions (the lazy ones a cycle would hide behind)."""
     graph = _imports(_modules())
     assert "specserve.model.triton_attention" in graph["specserve.model.attention"]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(root: pathlib.Path = ROOT, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Functions (methods, nested functions and Triton kernels included) longer than ``limit`` lines, counted
+    from the ``def`` line to the last line of the body."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return out
+
+
+def test_no_function_over_80_lines():
+    assert not long_functions(), "split these:\n" + "\n".join(long_functions())
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def short():\n    pass\n\n\ndef long():\n{body}\n", encoding="utf-8")
+    assert [s.split()[1] for s in long_functions(tmp_path)] == ["long"]

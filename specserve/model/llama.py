@@ -17,7 +17,7 @@ from torch import nn
 
 from specserve.config import CheckpointError, ModelArch
 from specserve.model.attention import AttentionBackend, AttentionMetadata
-from specserve.model.families import family
+from specserve.model.families import MoeNames, family
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from specserve.model.moe import SparseMoE
 from specserve.model.ops import TorchOps
@@ -223,87 +223,104 @@ class LlamaModel(nn.Module):
         the LM head and (on the torch MoE path) each expert included, is replaced by its packed form; the
         embedding table and MoE routers stay float.
         """
-        tp, head_dim = self.tp, self.arch.head_dim
-
-        def get(name: str, role: str | None = None) -> Any:
-            if name not in state_dict:
-                raise CheckpointError(f"missing tensor {name}")
-            t = state_dict[name]
-            if tp is not None and role is not None:
-                t = shard_tensor(t, role, tp.spec, head_dim)
-            return t.dequantize() if isinstance(t, QuantizedTensor) and packer is None else t
-
-        def fused(names: tuple[str, ...], roles: tuple[str | None, ...] = ()) -> Any:
-            parts = [get(n, r) for n, r in zip(names, roles or (None,) * len(names))]
-            if len(parts) == 1:
-                return parts[0]
-            if any(isinstance(t, QuantizedTensor) for t in parts):
-                return cat_rows([t if isinstance(t, QuantizedTensor) else _float_as(t, parts) for t in parts])
-            return torch.cat(parts, dim=0)
-
-        def put(module: nn.Module, attr: str, *names: str, matmul: bool = False,
-                roles: tuple[str | None, ...] = ()) -> None:
-            src, dst = fused(names, roles), getattr(module, attr)
-            if tuple(src.shape) != tuple(dst.shape):
-                raise CheckpointError(f"tensor {names[0]} has shape {tuple(src.shape)}, expected "
-                                      f"{tuple(dst.shape)} from the model config")
-            if matmul and packer is not None:
-                delattr(module, attr)  # a registered Parameter cannot be reassigned to a module
-                setattr(module, attr, packer(src, names[0]))
-            elif attr == "embed" and packer is not None and isinstance(src, QuantizedTensor):
-                delattr(module, attr)  # kept in its blocks: rows are dequantized when looked up
-                setattr(module, attr, QuantEmbedding(src, self.dtype, self.device))
-            else:
-                dst.copy_((src.dequantize() if isinstance(src, QuantizedTensor) else src).to(dst.dtype))
-
+        w = _WeightCopier(state_dict, packer, self.tp, self.arch.head_dim, self.dtype, self.device)
         with torch.no_grad():
             if packer is not None or not self.arch.tie_word_embeddings:
                 head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
-                put(self, "lm_head", head, matmul=True, roles=("vocab",))
+                w.put(self, "lm_head", head, matmul=True, roles=("vocab",))
             if self.arch.tie_word_embeddings and isinstance(self.lm_head, CpuQuantWeight):
                 del self.embed  # the packed head's rows are the table
                 self.embed = TiedEmbedding(self.lm_head, self.dtype)
             else:
-                put(self, "embed", "model.embed_tokens.weight", roles=("vocab",))
-            put(self.norm, "weight", "model.norm.weight")
+                w.put(self, "embed", "model.embed_tokens.weight", roles=("vocab",))
+            w.put(self.norm, "weight", "model.norm.weight")
             moe = family(self.arch.architecture).moe
             for i, layer in enumerate(self.decoder_layers):
-                p = f"model.layers.{i}."
-                a = p + "self_attn."
-                qkv_roles = ("q", "kv", "kv")
-                put(layer.attn, "qkv", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", matmul=True,
-                    roles=qkv_roles)
-                if layer.attn.qkv_bias is not None:
-                    put(layer.attn, "qkv_bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias",
-                        roles=qkv_roles)
-                put(layer.attn, "o", a + "o_proj.weight", matmul=True, roles=("o",))
-                if layer.attn.q_norm is not None and layer.attn.k_norm is not None:
-                    put(layer.attn.q_norm, "weight", a + "q_norm.weight")
-                    put(layer.attn.k_norm, "weight", a + "k_norm.weight")
-                if isinstance(layer.mlp, GatedMLP):
-                    put(layer.mlp, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", matmul=True,
-                        roles=("ffn_out", "ffn_out"))
-                    put(layer.mlp, "down", p + "mlp.down_proj.weight", matmul=True, roles=("ffn_in",))
-                else:  # sparse MoE: float stacks [E, rows, cols], or packed per expert on the torch path
-                    assert moe is not None
-                    mlp = layer.mlp
-                    mlp.gate.copy_(_float(get(p + moe.router)))
-                    names = [(p + moe.gate.format(e=e), p + moe.up.format(e=e), p + moe.down.format(e=e))
-                             for e in range(self.arch.num_experts)]
-                    out, inn = ("moe_out", "moe_out"), "moe_in"
-                    if packer is not None and mlp.kernel == "torch":
-                        mlp.pack_experts([(packer(fused((g, u), out), g), packer(get(d, inn), d))
-                                          for g, u, d in names])
-                    else:
-                        mlp.gate_up.copy_(torch.stack([_float(fused((g, u), out)) for g, u, _ in names]))
-                        mlp.down.copy_(torch.stack([_float(get(d, inn)) for _, _, d in names]))
-                put(layer.input_norm, "weight", p + "input_layernorm.weight")
-                if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
-                    put(layer.attn_out_norm, "weight", p + "post_attention_layernorm.weight")
-                    put(layer.post_norm, "weight", p + "pre_feedforward_layernorm.weight")
-                    put(layer.mlp_out_norm, "weight", p + "post_feedforward_layernorm.weight")
-                else:
-                    put(layer.post_norm, "weight", p + "post_attention_layernorm.weight")
+                _load_layer(w, layer, f"model.layers.{i}.", moe, self.arch.num_experts)
+
+
+class _WeightCopier:
+    """Copies a checkpoint's HF-named tensors into parameters (``LlamaModel.load_weights``): sharded for
+    tensor parallelism, fused where the model keeps several projections in one matrix, packed by ``packer``
+    where it quantizes, checked against the parameter's shape."""
+
+    def __init__(self, state_dict: dict[str, Any], packer: Packer | None, tp: TensorParallel | None, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.state_dict, self.packer, self.tp, self.head_dim = state_dict, packer, tp, head_dim
+        self.dtype, self.device = dtype, device
+
+    def get(self, name: str, role: str | None = None) -> Any:
+        if name not in self.state_dict:
+            raise CheckpointError(f"missing tensor {name}")
+        t = self.state_dict[name]
+        if self.tp is not None and role is not None:
+            t = shard_tensor(t, role, self.tp.spec, self.head_dim)
+        return t.dequantize() if isinstance(t, QuantizedTensor) and self.packer is None else t
+
+    def fused(self, names: tuple[str, ...], roles: tuple[str | None, ...] = ()) -> Any:
+        parts = [self.get(n, r) for n, r in zip(names, roles or (None,) * len(names))]
+        if len(parts) == 1:
+            return parts[0]
+        if any(isinstance(t, QuantizedTensor) for t in parts):
+            return cat_rows([t if isinstance(t, QuantizedTensor) else _float_as(t, parts) for t in parts])
+        return torch.cat(parts, dim=0)
+
+    def put(self, module: nn.Module, attr: str, *names: str, matmul: bool = False,
+            roles: tuple[str | None, ...] = ()) -> None:
+        src, dst = self.fused(names, roles), getattr(module, attr)
+        if tuple(src.shape) != tuple(dst.shape):
+            raise CheckpointError(f"tensor {names[0]} has shape {tuple(src.shape)}, expected "
+                                  f"{tuple(dst.shape)} from the model config")
+        if matmul and self.packer is not None:
+            delattr(module, attr)  # a registered Parameter cannot be reassigned to a module
+            setattr(module, attr, self.packer(src, names[0]))
+        elif attr == "embed" and self.packer is not None and isinstance(src, QuantizedTensor):
+            delattr(module, attr)  # kept in its blocks: rows are dequantized when looked up
+            setattr(module, attr, QuantEmbedding(src, self.dtype, self.device))
+        else:
+            dst.copy_((src.dequantize() if isinstance(src, QuantizedTensor) else src).to(dst.dtype))
+
+
+def _load_layer(w: _WeightCopier, layer: DecoderLayer, p: str, moe: MoeNames | None, num_experts: int) -> None:
+    """One decoder layer's tensors, named with the prefix ``p`` (``model.layers.{i}.``)."""
+    a = p + "self_attn."
+    qkv_roles = ("q", "kv", "kv")
+    w.put(layer.attn, "qkv", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", matmul=True,
+          roles=qkv_roles)
+    if layer.attn.qkv_bias is not None:
+        w.put(layer.attn, "qkv_bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias", roles=qkv_roles)
+    w.put(layer.attn, "o", a + "o_proj.weight", matmul=True, roles=("o",))
+    if layer.attn.q_norm is not None and layer.attn.k_norm is not None:
+        w.put(layer.attn.q_norm, "weight", a + "q_norm.weight")
+        w.put(layer.attn.k_norm, "weight", a + "k_norm.weight")
+    if isinstance(layer.mlp, GatedMLP):
+        w.put(layer.mlp, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", matmul=True,
+              roles=("ffn_out", "ffn_out"))
+        w.put(layer.mlp, "down", p + "mlp.down_proj.weight", matmul=True, roles=("ffn_in",))
+    else:
+        assert moe is not None
+        _load_experts(w, layer.mlp, p, moe, num_experts)
+    w.put(layer.input_norm, "weight", p + "input_layernorm.weight")
+    if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
+        w.put(layer.attn_out_norm, "weight", p + "post_attention_layernorm.weight")
+        w.put(layer.post_norm, "weight", p + "pre_feedforward_layernorm.weight")
+        w.put(layer.mlp_out_norm, "weight", p + "post_feedforward_layernorm.weight")
+    else:
+        w.put(layer.post_norm, "weight", p + "post_attention_layernorm.weight")
+
+
+def _load_experts(w: _WeightCopier, mlp: SparseMoE, p: str, moe: MoeNames, num_experts: int) -> None:
+    """A sparse MoE block: float stacks [E, rows, cols], or packed per expert on the torch path."""
+    mlp.gate.copy_(_float(w.get(p + moe.router)))
+    names = [(p + moe.gate.format(e=e), p + moe.up.format(e=e), p + moe.down.format(e=e))
+             for e in range(num_experts)]
+    out, inn = ("moe_out", "moe_out"), "moe_in"
+    if w.packer is not None and mlp.kernel == "torch":
+        packer = w.packer
+        mlp.pack_experts([(packer(w.fused((g, u), out), g), packer(w.get(d, inn), d)) for g, u, d in names])
+    else:
+        mlp.gate_up.copy_(torch.stack([_float(w.fused((g, u), out)) for g, u, _ in names]))
+        mlp.down.copy_(torch.stack([_float(w.get(d, inn)) for _, _, d in names]))
 
 
 def _float(t: Any) -> torch.Tensor:

@@ -73,6 +73,53 @@ def _popcount(x):
 
 
 @triton.jit
+def _tree_rows(tree_base_ptr, tree_mask_ptr, tok, q_len, q_pos):
+    """Per row of a tile: its draft-tree base and mask (attention_metadata.TREE_DOC; mask 0: a chain token)
+    and its logical position (rope / window). A tree token sees keys below its base, and the base + j of its
+    mask's bits j."""
+    t_base = tl.load(tree_base_ptr + tok, mask=tok < q_len, other=0)
+    t_mask = tl.load(tree_mask_ptr + tok, mask=tok < q_len, other=0)
+    logical = tl.where(t_mask != 0, t_base + _popcount(t_mask) - 1, q_pos)
+    return t_base, t_mask, logical
+
+
+@triton.jit
+def _tree_visible(k_pos, k_ok, q_pos, k_lo, t_base, t_mask):
+    """[ROWS, BLOCK_N]: the keys each row sees with draft trees: causal, at or after the row's first key
+    ``k_lo`` in logical positions, and for a tree row's keys at or above its base, the bits of its mask."""
+    is_tree = t_mask != 0
+    rel = k_pos[None, :].to(tl.int64) - t_base[:, None]  # [ROWS, BLOCK_N]
+    in_tree = is_tree[:, None] & (rel >= 0)
+    bit = (t_mask[:, None] >> tl.maximum(tl.minimum(rel, 62), 0)) & 1
+    below = t_mask[:, None] & ((tl.full([1, 1], 1, tl.int64) << tl.maximum(tl.minimum(rel, 62), 0)) - 1)
+    k_logical = tl.where(in_tree, t_base[:, None] + _popcount(below), k_pos[None, :])
+    visible = (k_pos[None, :] <= q_pos[:, None]) & (k_logical >= k_lo[:, None]) & k_ok[None, :]
+    return visible & (~in_tree | ((bit != 0) & (rel < 63)))
+
+
+@triton.jit
+def _kv_tile_ptrs(head_base, bt_row, k_pos, k_ok, d, stride_bt_b, stride_c_blk, stride_c_slot, stride_c_d,
+                  BLOCK_SIZE: tl.constexpr):
+    """[BLOCK_N, D_PAD] pointers to the keys ``k_pos`` of one KV head, each through its page in the block
+    table row ``bt_row`` (the values are ``stride_c_kv`` further)."""
+    page = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bt_b, mask=k_ok, other=0).to(tl.int64)
+    kv_off = page * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot  # [BLOCK_N]
+    return head_base + kv_off[:, None] + d[None, :] * stride_c_d
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc):
+    """One tile of scores ``s`` (log2 units, hidden keys -inf) and values ``v`` into the running max ``m_i``,
+    sum ``l_i`` and fp32 accumulator ``acc``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     tree_base_ptr, tree_mask_ptr,  # draft trees (attention_metadata.TREE_DOC); read only with HAS_TREE
@@ -103,11 +150,8 @@ def _paged_attention_kernel(
     row_ok = (tok < q_len) & (head_in_group < GROUP)
     head = kv_head * GROUP + head_in_group
     q_pos = ctx_len + tok  # absolute (chain) position of each row's token
-    if HAS_TREE:  # a tree token sees keys below its base, and the base + j of its mask's bits j
-        t_base = tl.load(tree_base_ptr + q_start + tok, mask=tok < q_len, other=0)
-        t_mask = tl.load(tree_mask_ptr + q_start + tok, mask=tok < q_len, other=0)
-        is_tree = t_mask != 0
-        logical = tl.where(is_tree, t_base + _popcount(t_mask) - 1, q_pos)  # rope / window position
+    if HAS_TREE:
+        t_base, t_mask, logical = _tree_rows(tree_base_ptr + q_start, tree_mask_ptr + q_start, tok, q_len, q_pos)
     d = tl.arange(0, D_PAD)
     d_ok = d < head_dim
     q_row = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
@@ -134,30 +178,18 @@ def _paged_attention_kernel(
     for start in range(kv_lo // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         k_pos = start + n
         k_ok = (k_pos >= kv_lo) & (k_pos < kv_end)
-        page = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bt_b, mask=k_ok, other=0).to(tl.int64)
-        kv_off = page * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot  # [BLOCK_N]
-        kv_ptrs = head_base + kv_off[:, None] + d[None, :] * stride_c_d  # [BLOCK_N, D_PAD]
+        kv_ptrs = _kv_tile_ptrs(head_base, bt_row, k_pos, k_ok, d, stride_bt_b, stride_c_blk, stride_c_slot,
+                                stride_c_d, BLOCK_SIZE)  # [BLOCK_N, D_PAD]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [ROWS, BLOCK_N] fp32
         if HAS_TREE:
-            rel = k_pos[None, :].to(tl.int64) - t_base[:, None]  # [ROWS, BLOCK_N]
-            in_tree = is_tree[:, None] & (rel >= 0)
-            bit = (t_mask[:, None] >> tl.maximum(tl.minimum(rel, 62), 0)) & 1
-            below = t_mask[:, None] & ((tl.full([1, 1], 1, tl.int64) << tl.maximum(tl.minimum(rel, 62), 0)) - 1)
-            k_logical = tl.where(in_tree, t_base[:, None] + _popcount(below), k_pos[None, :])
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_logical >= k_lo[:, None]) & k_ok[None, :]
-            visible = visible & (~in_tree | ((bit != 0) & (rel < 63)))
+            visible = _tree_visible(k_pos, k_ok, q_pos, k_lo, t_base, t_mask)
         else:
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= k_lo[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(kv_ptrs + stride_c_kv, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc)
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_i[:, None]
