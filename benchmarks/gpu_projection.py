@@ -459,37 +459,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    acc, refused = None, None
+    if args.acceptance:  # read first: a malformed file fails before minutes of measuring; nulls only refuse
+        try:
+            acc = load_acceptance(args.acceptance)
+        except AcceptanceMissing as e:
+            refused = str(e)
     if args.costs:
         with open(args.costs, encoding="utf-8") as f:
-            doc = json.load(f)
-        costs = doc.get("costs", doc)
+            loaded = json.load(f)
+        costs = loaded.get("costs", loaded)
     else:
         costs = measure(args)
     print(cost_table(costs, "wall_ms"))
     if any("device_ms" in m["draft"][str(costs["batches"][0])] for m in costs["formats"].values()):
         print(cost_table(costs, "device_ms"))
-    doc = {"costs": costs, "acceptance_file": args.acceptance, "acceptance": None, "projection": None,
-           "refused": None}
+    doc = {"costs": costs, "acceptance_file": args.acceptance, "acceptance": acc, "projection": None,
+           "refused": refused}
+    if acc is not None:
+        # device_ms where measured (a GPU); a step without the figure is left out, never invented
+        doc["projection"] = {"basis": args.basis, "speedup": project(costs, acc, args.basis)}
+        print(projection_table(costs, doc["projection"]["speedup"], args.basis))
+    if refused:
+        print(f"projection refused: {refused}", file=sys.stderr)
     path = out_path(args.out)
-    rc = 0
-    if args.acceptance:
-        try:
-            acc = load_acceptance(args.acceptance)
-        except AcceptanceMissing as e:
-            doc["refused"] = str(e)
-            print(f"projection refused: {e}", file=sys.stderr)
-            rc = 2
-        else:
-            doc["acceptance"] = acc
-            basis = args.basis if args.basis == "wall_ms" or costs["platform"].get("platform") != "cpu" else "wall_ms"
-            doc["projection"] = {"basis": basis, "speedup": project(costs, acc, basis)}
-            print(projection_table(costs, doc["projection"]["speedup"], basis))
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
-        print(f"wrote {path}" + (f" (re-project later: --costs {path} --acceptance FILE)" if rc else ""))
-    return rc
-
+        print(f"wrote {path}" + (f" (re-project later: --costs {path} --acceptance FILE)" if refused else ""))
+    return 2 if refused else 0
 
 if __name__ == "__main__":
     sys.exit(main())
