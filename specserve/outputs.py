@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specserve.spec_decode.state import Source
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,7 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]]  # drafts proposed for the next step
     logprobs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     spec_parents: dict[str, list[int]] = field(default_factory=dict)  # the drafts that form a tree
-    spec_sources: dict[str, str] = field(default_factory=dict)  # where the drafts verified this step came from
+    spec_sources: dict[str, Source] = field(default_factory=dict)  # where the drafts verified this step came from
     # Rows with ``score_prompt``: (the prompt index of the first token scored, one entry per scored token:
     # token_id, logprob, rank, top).
     prompt_logprobs: dict[str, tuple[int, list[dict[str, Any]]]] = field(default_factory=dict)

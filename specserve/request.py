@@ -6,9 +6,12 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specserve.spec_decode.state import Source
 
 
 class RequestStatus(enum.Enum):
@@ -109,7 +112,7 @@ class Request:
     spec_enabled: bool = True  # per-request switch (e.g. the API's `speculative: false`)
     stop_reason: int | str | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
-    spec_source_stats: dict[str, SpecStats] = field(default_factory=dict)  # the same, per draft source
+    spec_source_stats: dict[Source, SpecStats] = field(default_factory=dict)  # the same, per draft source
     group_id: str | None = None  # n > 1: siblings share the prompt (scheduled after the first prefill)
     grammar: Any = None  # the compiled grammar of params.structured_outputs
     # The prompt's logprobs are wanted (``prompt_logprobs``) and not all computed yet: every prompt position is
@@ -124,6 +127,12 @@ class Request:
             return ()
         eos = () if params.ignore_eos else tuple(self.eos_token_ids)
         return tuple(sorted(set(eos) | set(params.stop_token_ids)))
+
+    def record_verification(self, num_draft: int, num_accepted: int, source: Source | None) -> None:
+        """One verification pass of this request's drafts: the one place speculation counters are counted."""
+        self.spec_stats.record(num_draft, num_accepted)
+        if source is not None and num_draft:
+            self.spec_source_stats.setdefault(source, SpecStats()).record(num_draft, num_accepted)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

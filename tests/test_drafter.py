@@ -86,10 +86,50 @@ def test_a_draft_model_reads_the_prompt_after_the_first_token(tmp_path, method):
     engine, calls = llm.engine, []
     proposer = engine.runner.drafter.proposer
     real = proposer.propose
-    proposer.propose = lambda reqs: calls.append([r.req_id for r in reqs]) or real(reqs)
+    proposer.propose = lambda reqs, *rest: calls.append([r.req_id for r in reqs]) or real(reqs, *rest)
     engine.add_request("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     first = engine.step()
     assert len(first[0].outputs[0].token_ids) == 1
     assert calls == ([] if method == "draft" else [["r"]])
     engine.step()
     assert calls and calls[-1] == ["r"]
+
+
+def _leak_configs(root: pathlib.Path) -> list[dict]:
+    import torch
+
+    from specserve.model.loader import load_checkpoint
+    from specserve.platform import detect
+    from specserve.worker.model_runner import build_model
+    from tests.helpers import save_tiny_eagle_head
+
+    target = save_tiny_checkpoint(root / "target")
+    draft = save_tiny_checkpoint(root / "draft", seed=1)
+    model = build_model(load_checkpoint(target), detect("cpu"), torch.float32, 1024)
+    head = save_tiny_eagle_head(model, str(root / "head"), torch.Generator().manual_seed(0))
+    return [dict(model=target, speculative_method=m, **extra) for m, extra in (
+        ("ngram", {}), ("suffix", {}), ("draft", {"speculative_model": draft}), ("layer_skip", {}),
+        ("eagle", {"speculative_model": head}), ("eagle", {"speculative_model": head, "speculative_eagle_topk": 2,
+                                                             "speculative_num_draft_tokens": 6}),
+        ("layer_skip", {"prompt_lookup_first": True}))]
+
+
+def test_no_speculation_state_left_after_finished_and_aborted_requests(tmp_path):
+    """With each proposer: after a mix of finished and aborted requests (seeded and greedy), the drafter holds
+    no per-request state (``SpecStates`` is empty)."""
+    for kwargs in _leak_configs(tmp_path):
+        llm = LLM(**kwargs, num_speculative_tokens=3, max_num_seqs=4, dtype="float32", num_blocks=128)
+        engine, drafter = llm.engine, llm.engine.runner.drafter
+        prompt = "ab ab ab ab ab ab ab ab ab ab ab ab"
+        ids = [engine.add_request(None, prompt, SamplingParams(temperature=t, seed=s, max_tokens=n, ignore_eos=True))
+               for t, s, n in ((0, None, 12), (1.0, 7, 40), (0.8, None, 40), (0, None, 6))]
+        for _ in range(6):
+            engine.step()
+        assert len(drafter.states) > 0, kwargs
+        engine.abort(ids[1])
+        engine.abort(ids[2])
+        while engine.has_unfinished():
+            engine.step()
+        engine.step()  # the last finished requests reach the worker with the next step
+        assert len(drafter.states) == 0, (kwargs, list(drafter.states))
+        llm.close()

@@ -195,8 +195,8 @@ def test_reduced_draft_vocab(tiny, reference):
     drafted: list[int] = []
     original = proposer.propose
 
-    def record(reqs):
-        drafts = original(reqs)
+    def record(reqs, *rest):
+        drafts = original(reqs, *rest)
         drafted.extend(t for d in drafts for t in d.token_ids)
         return drafts
 
@@ -376,8 +376,8 @@ def test_engine_drafts_match_dense_forward(tiny, kind, lookup_first):
     seen: list[tuple[list[int], list[int]]] = []
     original = proposer.propose
 
-    def record(reqs):
-        drafts = original(reqs)
+    def record(reqs, *rest):
+        drafts = original(reqs, *rest)
         seen.extend((list(r.token_ids), d.token_ids) for r, d in zip(reqs, drafts, strict=True))
         return drafts
 

@@ -11,10 +11,9 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.sample.sampler import RequestSamplingState
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.controller import Acceptance
 from specserve.spec_decode.lookup_first import LookupFirstProposer
 from specserve.spec_decode.proposer import Draft, ProposeRequest
-from specserve.worker.features import FeatureBuffer
+from specserve.spec_decode.state import Acceptance, FeatureBuffer, SpecState
 
 
 class FakeModel:
@@ -24,7 +23,7 @@ class FakeModel:
         self.calls: list[list[ProposeRequest]] = []
         self.dropped: list[str] = []
 
-    def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
+    def propose(self, reqs: list[ProposeRequest], other_rows: int = 0) -> list[Draft]:
         self.calls.append(reqs)
         return [Draft([7] * r.k) for r in reqs]
 
@@ -124,12 +123,18 @@ def test_feature_views_of_a_step_copy_are_compacted():
     assert buf.take()[1].tolist() == [[0.0, 0.0]]
 
 
-def test_drop_forgets_and_reaches_the_model():
+def test_forget_kv_forgets_the_routing():
+    from specserve.spec_decode.state import SpecStates
+
     model = FakeModel()
     p = LookupFirstProposer(model, min_n=3, max_n=4)
-    assert p.source(_req("a", [1, 2, 3, 4, 1, 2, 3], None), 3) == "lookup"
-    p.drop("a")
-    assert model.dropped == ["a"] and not p._routed
+    states = SpecStates()
+    req = _req("a", [1, 2, 3, 4, 1, 2, 3], None)
+    req.spec = states.of("a")
+    assert p.source(req, 3) == "lookup"
+    assert req.spec.draft.routed is not None
+    states.forget_kv("a")
+    assert states.of("a").draft.routed is None
 
 
 def test_config():
@@ -151,7 +156,7 @@ def test_routes_by_expected_gain_once_costs_are_measured():
 
     ctl = SpecController(max_k=4)
     model = FakeModel()
-    p = LookupFirstProposer(model, min_n=3, max_n=4, rate=ctl.best_rate, model_gains=lambda r: ctl.gains(r, "model"))
+    p = LookupFirstProposer(model, min_n=3, max_n=4, controller=ctl)
     short = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]  # suffix "1 2 3" (n = 3) occurred before
     long = [1, 2, 3, 4, 5, 6, 9, 2, 3, 4, 5]  # suffix "2 3 4 5" (n = 4)
     assert p.source(_req("a", short, None), 4) == "lookup"  # costs unmeasured: any match goes to lookup
@@ -160,27 +165,26 @@ def test_routes_by_expected_gain_once_costs_are_measured():
     ctl.record_draft(1, 0.002)
     for _ in range(20):
         ctl.record_acceptance("a", 4, 3, "model")  # the model is usually right for this request
-        p._in_flight["x"] = 3
-        p.observe("x", "lookup", 4, 0)  # 3-token matches keep failing
-        p._in_flight["x"] = 4
-        p.observe("x", "lookup", 4, 4)  # 4-token matches hold
-    p._routed.clear()
+        x = SpecState()
+        x.draft.match_in_flight = 3
+        p.observe(x, "lookup", 4, 0)  # 3-token matches keep failing
+        x.draft.match_in_flight = 4
+        p.observe(x, "lookup", 4, 4)  # 4-token matches hold
     assert p.source(_req("a", short, None), 4) == "model"
     assert p.source(_req("a", long, None), 4) == "lookup"
-    drafts = p.propose([_req("a", long, None, k=3)])
-    assert drafts[0].token_ids == [6, 9, 2] and p._in_flight["a"] == 4
+    req = _req("a", long, None, k=3)
+    drafts = p.propose([req])
+    assert drafts[0].token_ids == [6, 9, 2] and req.spec.draft.match_in_flight == 4
     # the model's drafts first catch up on what it has not read: a long backlog makes lookup the better route
-    lag = {"a": 0}
-    p = LookupFirstProposer(model, min_n=3, max_n=4, rate=ctl.best_rate, model_gains=lambda r: ctl.gains(r, "model"),
-                            backlog=lag.__getitem__)
+    p = LookupFirstProposer(model, min_n=3, max_n=4, controller=ctl)
     p._by_n[3] = Acceptance(4)
     for _ in range(20):
         p._by_n[3].observe(4, 1, decay=0.95)  # 3-token matches: one draft in four holds
     ctl.record_catch_up(100, 0.004)  # 40 us a token
     assert p.source(_req("a", short, None), 4) == "model"
-    lag["a"] = 300
-    p._routed.clear()
-    assert p.source(_req("a", short, None), 4) == "lookup"
+    lagging = _req("a", short, None)
+    lagging.spec.features.add(0, torch.zeros(300, 2))  # 300 target features the model has not read
+    assert p.source(lagging, 4) == "lookup"
 
 
 def _user_req(rid: str, tokens: list[int], user: str | None) -> ProposeRequest:

@@ -217,7 +217,7 @@ def test_acceptance_per_position():
     assert c.rates("r") == before
     assert c.gains("r") == pytest.approx([before[0], before[0] * before[1], before[0] * before[1] * before[2],
                                           before[0] * before[1] * before[2] * before[3]])
-    c.drop("r")
+    c.states.drop("r")
     # A forgotten (or new) request starts from the recent acceptance over all requests.
     assert c.rates("r") == c.global_rates
 
@@ -268,7 +268,7 @@ def test_sources_keep_their_own_acceptance_and_lookup_drafts_are_free():
     assert c.choose_ks(["r"], sources=["lookup"]) == [5]
     assert c.choose_ks(["r"], sources=["model"]) == [1]
     assert c.choose_ks(["r", "r"], sources=["lookup", "model"]) == [5, 1]
-    c.drop("r")
+    c.states.drop("r")
     assert c.rates("r", "lookup") == c._global_of("lookup")
 
 

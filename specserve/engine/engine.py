@@ -20,6 +20,7 @@ from specserve.platform import Platform, configure_threads, detect
 from specserve.request import Request, RequestStatus, SpecStats
 from specserve.sample.grammar import GrammarCompiler
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.state import Source
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.tensor_parallel import WorkerGroup, start_tensor_parallel
@@ -63,6 +64,7 @@ class EngineStats:
     # Speculation counters of finished requests; live ones are added on reading (``Engine.spec_stats``), so
     # each verification pass is recorded once, on its request (``Scheduler.update``).
     finished_spec: SpecStats = field(default_factory=SpecStats)
+    finished_sources: dict[Source, SpecStats] = field(default_factory=dict)  # the same, per draft source
 
 
 class Engine:
@@ -163,7 +165,7 @@ class Engine:
         if group is None:
             return
         for req, comp in zip(group.children, group.completions):
-            self.stats.finished_spec.merge(req.spec_stats)
+            self._retire_spec_stats(req)
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             comp.finish_reason = comp.finish_reason or "abort"
             self._child_group.pop(req.request_id, None)
@@ -244,18 +246,19 @@ class Engine:
             self.groups.pop(group.request_id, None)
             for req in group.children:
                 self._child_group.pop(req.request_id, None)
-                self.stats.finished_spec.merge(req.spec_stats)
+                self._retire_spec_stats(req)
             self.stats.num_finished += 1
         spec_stats = SpecStats()
-        by_source: dict[str, SpecStats] = {}
+        by_source: dict[Source, SpecStats] = {}
         for req in group.children:
             spec_stats.merge(req.spec_stats)
-            for source, st in req.spec_source_stats.items():
-                by_source.setdefault(source, SpecStats()).merge(st)
+            _merge_sources(by_source, req.spec_source_stats)
         now = time.monotonic()
+        method = self.config.speculative.method or ""
         metrics: dict[str, Any] = {
             "speculative": spec_stats.as_dict(),
-            "speculative_sources": {source: st.as_dict() for source, st in by_source.items()},
+            # per draft source: "model", "lookup", "grammar", or the method's name for a one-source proposer
+            "speculative_sources": {source.label(method): st.as_dict() for source, st in by_source.items()},
             "ttft_s": (group.first_token - group.arrival) if group.first_token else None,
             "elapsed_s": now - group.arrival,
             "num_preemptions": sum(r.num_preemptions for r in group.children),
@@ -265,7 +268,21 @@ class Engine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics,
                              None if group.prompt_logprobs is None else list(group.prompt_logprobs))
 
+    def _retire_spec_stats(self, req: Request) -> None:
+        """A finished or aborted request's speculation counters join the engine's."""
+        self.stats.finished_spec.merge(req.spec_stats)
+        _merge_sources(self.stats.finished_sources, req.spec_source_stats)
+
     # -- introspection --------------------------------------------------------------------------------------
+    def spec_source_stats(self) -> dict[Source, SpecStats]:
+        """Speculation counters per draft source over every request so far (finished and live)."""
+        total: dict[Source, SpecStats] = {}
+        _merge_sources(total, self.stats.finished_sources)
+        for group in self.groups.values():
+            for req in group.children:
+                _merge_sources(total, req.spec_source_stats)
+        return total
+
     def spec_stats(self) -> SpecStats:
         """Speculation counters over every request so far (finished and live)."""
         total = SpecStats()
@@ -295,6 +312,11 @@ class Engine:
             "speculative_k": self.runner.drafter.controller.last_k if self.runner.drafter else 0,
             "speculative_method": self.config.speculative.method,
             # per draft source ("model", "lookup", "grammar"; "" for a one-source proposer)
-            "speculative_sources": {source: stats.as_dict() for source, stats in
-                                    (self.runner.drafter.source_stats if self.runner.drafter else {}).items()},
+            "speculative_sources": {"" if source is Source.METHOD else source.value: stats.as_dict()
+                                    for source, stats in self.spec_source_stats().items()},
         }
+
+
+def _merge_sources(into: dict[Source, SpecStats], other: dict[Source, SpecStats]) -> None:
+    for source, stats in other.items():
+        into.setdefault(source, SpecStats()).merge(stats)

@@ -15,7 +15,7 @@ from typing import Any
 from specserve.config import SchedulerConfig
 from specserve.kv.kv_cache_manager import KVCacheManager
 from specserve.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
-from specserve.request import Request, RequestStatus, SpecStats
+from specserve.request import Request, RequestStatus
 
 
 class Scheduler:
@@ -192,10 +192,7 @@ class Scheduler:
             # accepted path was moved into the first slots by the worker).
             num_accepted = len(emitted) - 1
             req.num_computed_tokens -= row.num_spec_tokens - num_accepted
-            req.spec_stats.record(row.num_spec_tokens, num_accepted)
-            source = ro.spec_sources.get(row.req_id)
-            if source is not None and row.num_spec_tokens:
-                req.spec_source_stats.setdefault(source, SpecStats()).record(row.num_spec_tokens, num_accepted)
+            req.record_verification(row.num_spec_tokens, num_accepted, ro.spec_sources.get(row.req_id))
             self.kv.cache_full_blocks(req)
             status = append(req, emitted, ro.logprobs.get(row.req_id))
             progressed.append(req)

@@ -25,6 +25,8 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from specserve.spec_decode.state import FREE_SOURCES, Acceptance, Source, SpecStates
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Expected tokens emitted per verification pass with k drafts and per-token acceptance alpha."""
@@ -98,22 +100,6 @@ class StepCost:
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
-class Acceptance:
-    """Decayed counts of (accepted, tried) per draft position 1..K -> conditional acceptance c_j."""
-
-    __slots__ = ("acc", "tried")
-
-    def __init__(self, k: int) -> None:
-        self.acc = [0.0] * k
-        self.tried = [0.0] * k
-
-    def observe(self, num_draft: int, num_accepted: int, decay: float) -> None:
-        """Drafts 1..num_accepted were accepted; draft num_accepted + 1 (if drafted) was rejected."""
-        for j in range(min(num_draft, num_accepted + 1, len(self.acc))):
-            self.acc[j] = decay * self.acc[j] + (1.0 if j < num_accepted else 0.0)
-            self.tried[j] = decay * self.tried[j] + 1.0
-
-
 def gains_over_prior(counts: Acceptance | None, prior: Sequence[float], weight: float) -> list[float]:
     """m_j = c_1 ... c_j for each position j of ``prior``, where c_j = (accepted_j + weight * prior_j) /
     (tried_j + weight): a position's decayed counts over its prior (the prior alone where not counted)."""
@@ -129,22 +115,20 @@ PRIOR_ALPHA = 0.6  # acceptance of a draft position before it is measured
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior in an estimate
 
 
-LOOKUP_SOURCE = "lookup"  # prompt lookup inside a hybrid (--prompt-lookup-first)
-GRAMMAR_SOURCE = "grammar"  # tokens a structured output's grammar forces (worker/drafter.py)
-FREE_SOURCES = frozenset({LOOKUP_SOURCE, GRAMMAR_SOURCE})  # drafts that cost no draft-model step
-
-
 class SpecController:
     """Per-position acceptance per request + measured costs -> each request's k for this step.
 
     A request can draft from several *sources* (``--prompt-lookup-first``: prompt lookup or the model
-    proposer, decided per step before k is chosen). Acceptance is tracked per (request, source), with one
-    global prior per source, and drafts of ``FREE_SOURCES`` add verification tokens but no draft steps.
+    proposer, decided per step before k is chosen). Acceptance is tracked per (request, source), in the
+    request's ``SpecState`` (``states``), with one global prior per source, and drafts of ``FREE_SOURCES`` add
+    verification tokens but no draft steps.
     """
 
     def __init__(self, max_k: int, adaptive: bool = True, prior_alpha: float = PRIOR_ALPHA,
-                 explore_every: int = 16, prior_weight: float = PRIOR_WEIGHT, min_gain: float = 0.03) -> None:
-        self.max_k = max_k
+                 explore_every: int = 16, prior_weight: float = PRIOR_WEIGHT, min_gain: float = 0.03,
+                 states: SpecStates | None = None) -> None:
+        self.max_k = max_k  # the most drafts a request gets in one step
+        self.states = states if states is not None else SpecStates()
         self.adaptive = adaptive
         # Called with ("target" | "draft", count, seconds) for every cost sample (benchmarks read them).
         self.cost_observers: list[Callable[[str, int, float], None]] = []
@@ -156,14 +140,13 @@ class SpecController:
         self.prior_alpha = prior_alpha
         self.target_cost = StepCost()
         self.draft_cost = StepCost()
-        self._acc: dict[str, dict[str, Acceptance]] = {}  # req_id -> source -> counts
         self._step = 0
         self._since_explore = 0
         self._explore_gap = explore_every
         # Conditional acceptance per position over all recent passes, per source (decayed counts, and the
         # rates they give, cached): the prior of every request's estimate (a new request starts from it).
-        self._global: dict[str, Acceptance] = {}
-        self._global_rates: dict[str, list[float]] = {}
+        self._global: dict[Source, Acceptance] = {}
+        self._global_rates: dict[Source, list[float]] = {}
         self.last_k = max_k  # the largest k of the last step (the `spec_decode_k` gauge)
         # Draft trees: decayed sums of predicted (draft path probabilities of the verified nodes) and
         # accepted nodes, whose ratio calibrates the draft's confidence into expected accepted tokens.
@@ -173,9 +156,9 @@ class SpecController:
 
     @property
     def global_rates(self) -> list[float]:
-        return self._global_of("")
+        return self._global_of(Source.METHOD)
 
-    def _global_of(self, source: str) -> list[float]:
+    def _global_of(self, source: Source) -> list[float]:
         """The prior c_1..c_K of a source: each position's decayed counts over all requests, on top of the
         position before it (position 1: ``prior_alpha``), with ``prior_weight`` pseudo-observations.
 
@@ -196,12 +179,13 @@ class SpecController:
         return rates
 
     # -- measurements ---------------------------------------------------------------------------------------
-    def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int, source: str = "") -> None:
+    def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int,
+                          source: Source = Source.METHOD) -> None:
         """One verification pass: num_accepted of num_draft drafts accepted (it stops at the first rejection)."""
         if num_draft <= 0:
             return
         k = max(1, self.max_k)
-        per = self._acc.setdefault(req_id, {})
+        per = self.states.of(req_id).acceptance
         acc = per.get(source)
         if acc is None:
             acc = per[source] = Acceptance(k)
@@ -237,18 +221,15 @@ class SpecController:
         for observer in self.cost_observers:
             observer("draft", num_reqs, seconds_per_step)
 
-    def drop(self, req_id: str) -> None:
-        self._acc.pop(req_id, None)
-
-    def rates(self, req_id: str, source: str = "") -> list[float]:
+    def rates(self, req_id: str, source: Source = Source.METHOD) -> list[float]:
         """Conditional acceptance c_1..c_K of a request: its decayed counts over the global prior."""
         g, w = self._global_of(source), self.prior_weight
-        acc = self._acc.get(req_id, {}).get(source)
+        acc = self.states.acceptance(req_id, source)
         if acc is None:
             return list(g)
         return [(a + w * p) / (t + w) for a, t, p in zip(acc.acc, acc.tried, g)]
 
-    def gains(self, req_id: str, source: str = "") -> list[float]:
+    def gains(self, req_id: str, source: Source = Source.METHOD) -> list[float]:
         """m_j = c_1 ... c_j: expected tokens draft j adds (non-increasing in j)."""
         out, m = [], 1.0
         for c in self.rates(req_id, source)[:self.max_k]:
@@ -257,7 +238,7 @@ class SpecController:
         return out
 
     # -- decision -------------------------------------------------------------------------------------------
-    def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[str] | None = None,
+    def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[Source] | None = None,
                   remaining: list[int] | None = None, backlog: list[int] | None = None) -> list[int]:
         """k per request for the next step of these decoding requests; ``other_tokens`` are prefill tokens
         sharing the step; ``sources[i]`` is where request i's drafts come from this step (default: one);
@@ -269,7 +250,7 @@ class SpecController:
         if not self.adaptive:
             self.last_k = self.max_k
             return [self.max_k] * len(req_ids)
-        srcs = sources if sources is not None else [""] * len(req_ids)
+        srcs = sources if sources is not None else [Source.METHOD] * len(req_ids)
         self._step += 1
         if self.target_cost.distinct() < 2 or (self.draft_cost.distinct() == 0 and self.max_k
                                                and any(s not in FREE_SOURCES for s in srcs)):
@@ -298,7 +279,7 @@ class SpecController:
         self.last_k = max(ks)
         return ks
 
-    def _best(self, req_ids: list[str], sources: list[str], other: int, backlog: list[int]) -> list[int]:
+    def _best(self, req_ids: list[str], sources: list[Source], other: int, backlog: list[int]) -> list[int]:
         """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s."""
         pairs = sorted(((m, i) for i, (r, s) in enumerate(zip(req_ids, sources)) for m in self.gains(r, s)),
                        key=lambda x: -x[0])
@@ -306,7 +287,7 @@ class SpecController:
         return self._best_prefix(pairs, free, other,
                                  catch_up=[0.0 if f else self._catch_up * n for f, n in zip(free, backlog)])
 
-    def _drain_plan(self, req_ids: list[str], sources: list[str], other: int, remaining: list[int],
+    def _drain_plan(self, req_ids: list[str], sources: list[Source], other: int, remaining: list[int],
                     backlog: list[int]) -> list[int]:
         """Drafts that maximise how fast a draining batch approaches its end. The batch ends when
         ``max_i(remaining_i)`` reaches 0; with X_i accepted drafts this step it shrinks by

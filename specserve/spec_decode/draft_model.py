@@ -18,6 +18,7 @@ import torch
 from specserve.sample.grammar import apply_grammar, bitmask_words
 from specserve.sample.sampler import argmax_rows, process_logits, row_argmax
 from specserve.spec_decode.proposer import Draft, ProposeRequest
+from specserve.spec_decode.state import Source
 
 # (tokens to feed per request, start position per request, block ids per request) -> [B, vocab] logits at
 # each request's last fed token. Built by the worker, so spec/ never imports worker/.
@@ -31,23 +32,17 @@ class DraftModelProposer:
         self.step = step
         self.shares_target_kv = shares_target_kv
         self.sampler = DraftSampler(vocab_size, grammar)
-        # req_id -> (L, drafts fed at positions L, L+1, ...): what the draft cache holds past the history.
-        self._fed: dict[str, tuple[int, list[int]]] = {}
 
-    def drop(self, req_id: str) -> None:
-        self._fed.pop(req_id, None)
-        self.sampler.drop(req_id)
-
-    def source(self, req: ProposeRequest, max_k: int) -> str:
-        return ""
+    def source(self, req: ProposeRequest, max_k: int) -> Source:
+        return Source.METHOD
 
     def _valid_prefix(self, r: ProposeRequest) -> int:
         """Positions below this hold draft KV of the request's actual tokens."""
         if self.shares_target_kv:
             return r.num_computed
-        if r.req_id not in self._fed:
+        if r.spec.draft.fed is None:
             return 0
-        base, fed = self._fed[r.req_id]
+        base, fed = r.spec.draft.fed  # what the draft cache holds past the history
         valid = base
         for tok in fed:
             if valid >= len(r.token_ids) or r.token_ids[valid] != tok:
@@ -55,7 +50,7 @@ class DraftModelProposer:
             valid += 1
         return min(valid, len(r.token_ids) - 1)
 
-    def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
+    def propose(self, reqs: list[ProposeRequest], other_rows: int = 0) -> list[Draft]:
         starts = [self._valid_prefix(r) for r in reqs]
         blocks = [r.block_ids for r in reqs]
         logits = self.step([r.token_ids[s:] for r, s in zip(reqs, starts, strict=True)], starts, blocks)  # [B, V]
@@ -65,7 +60,7 @@ class DraftModelProposer:
 
         drafts = draft_chain(reqs, logits, self.sampler, advance)
         for r, d in zip(reqs, drafts, strict=True):
-            self._fed[r.req_id] = (len(r.token_ids), d.token_ids[:-1])  # the last draft was never fed
+            r.spec.draft.fed = (len(r.token_ids), d.token_ids[:-1])  # the last draft was never fed
         return drafts
 
 
@@ -108,10 +103,6 @@ class DraftSampler:
     def __init__(self, vocab_size: int, grammar: bool = True) -> None:
         self.vocab_size = vocab_size
         self.grammar = grammar
-        self._generators: dict[str, torch.Generator] = {}
-
-    def drop(self, req_id: str) -> None:
-        self._generators.pop(req_id, None)
 
     def sample(self, logits: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]
                ) -> tuple[list[int], torch.Tensor | None]:
@@ -163,8 +154,8 @@ class DraftSampler:
         seed = r.state.params.seed
         if seed is None:
             return None
-        if r.req_id not in self._generators:
-            g = torch.Generator(device=device)
-            g.manual_seed(seed + 0x5EED)
-            self._generators[r.req_id] = g
-        return self._generators[r.req_id]
+        draft = r.spec.draft
+        if draft.generator is None:
+            draft.generator = torch.Generator(device=device)
+            draft.generator.manual_seed(seed + 0x5EED)
+        return draft.generator

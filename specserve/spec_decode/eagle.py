@@ -9,15 +9,15 @@ KV (and features) for positions ``< L - 1``, so each proposal:
    yields the first draft;
 2. drafts: entry ``L - 1 + j`` = (draft ``j``, the head's own predicted feature) yields draft ``j + 1``.
 
-The head's KV therefore holds true entries below ``L`` after a proposal (``_valid``); the draft entries above
+The head's KV therefore holds true entries below ``L`` after a proposal (``DraftState.head_valid``); the draft entries above
 are overwritten by the next catch-up, whatever was accepted (they were computed from predicted features).
 
 Draft trees (``--speculative-eagle-topk b`` > 1; EAGLE-2, Li et al. 2024, arXiv 2406.16858): the root's b most
 likely tokens are depth 1; each later depth feeds the b nodes of the previous depth with the highest
 cumulative draft log-probability to the head *as a tree* (one forward; each entry attends to the context and
 its own expanded ancestors, ``model/attention_metadata.TREE_DOC``; entry e of a proposal sits in head slot
-``L + e``) and adds their b best children. The ``choose_nodes`` callback (the controller: measured step
-costs against the calibrated path probabilities) then keeps the best nodes, which go to verification
+``L + e``) and adds their b best children. The controller (``SpecController.choose_tree_sizes``: measured
+step costs against the calibrated path probabilities) then keeps the best nodes, which go to verification
 ordered by depth, parents first. Requests whose logits processing depends on the drafts before a row
 (penalties, grammars, an unmet ``min_tokens``) draft chains. A batch of greedy chains without logits
 processing (``plain_greedy``) drafts the argmax of each step's logits over the head's reduced draft
@@ -32,23 +32,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.sample.sampler import RequestSamplingState, argmax_rows, row_argmax
 from specserve.spec_decode.draft_model import DraftSampler, draft_chain
 from specserve.spec_decode.proposer import Draft, ProposeRequest
+from specserve.spec_decode.state import Source
 
-# (tokens per request, features h_{p-1} per request [n_i, hidden] (or one [B, hidden] tensor), first position
-# per request, block ids [, tree rows [, top]]) -> ([B, vocab] logits at each request's last entry, [B, hidden]
-# the head's predicted feature there); with tree rows (``worker/input_batch.RowTree``) at every entry: [T, vocab],
-# [T, hidden]; with top = b > 1 ([B, b] log-probabilities, [B, b] token ids) of the b most likely tokens instead
-# of the logits, with top = -1 ([B, M] logits over the draft vocabulary, its [M] token ids or None for the full
-# vocabulary).
-EagleStep = Callable[..., tuple[Any, torch.Tensor]]
-# Per request, its candidate nodes' draft path probabilities (descending) -> how many to verify.
-ChooseNodes = Callable[[list[list[float]]], list[int]]
+if TYPE_CHECKING:
+    from specserve.spec_decode.controller import SpecController
+
+
+@dataclass(frozen=True, slots=True)
+class EagleSteps:
+    """The head's forward, built by the worker (``worker/draft_steps.eagle_steps``), by what a proposal reads
+    from it. Each takes (tokens per request, features h_{p-1} per request [n_i, hidden] (or one [B, hidden]
+    tensor), first position per request, block ids) and returns (its result, [B, hidden] the head's predicted
+    feature at each request's last entry)."""
+
+    # -> [B, vocab] logits
+    logits: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # -> ([B, M] logits over the head's draft vocabulary, its [M] token ids; None for the full vocabulary)
+    vocab_logits: Callable[..., tuple[tuple[torch.Tensor, torch.Tensor | None], torch.Tensor]]
+    # (..., tree rows or None, b) -> ([T, b] log-probabilities, [T, b] token ids) of the b most likely tokens;
+    # with tree rows (``worker/input_batch.RowTree``) at every entry (T entries), else at each request's last.
+    top: Callable[..., tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]
 
 
 def tree_eligible(state: RequestSamplingState) -> bool:
@@ -69,47 +80,43 @@ def plain_greedy(state: RequestSamplingState) -> bool:
 class EagleProposer:
     writes_kv = True
 
-    def __init__(self, step: EagleStep, feature_size: int, vocab_size: int, topk: int = 1, max_nodes: int = 0,
-                 choose_nodes: ChooseNodes | None = None, grammar: bool = True) -> None:
-        self.step = step
+    def __init__(self, steps: EagleSteps, feature_size: int, vocab_size: int, topk: int = 1, max_nodes: int = 0,
+                 controller: SpecController | None = None, grammar: bool = True) -> None:
+        self.steps = steps
         self.feature_size = feature_size  # the target's feature per position: n feature layers x hidden
         self.sampler = DraftSampler(vocab_size, grammar)
-        self._valid: dict[str, int] = {}  # req_id -> head KV holds true entries for positions below this
         self.topk, self.max_nodes = topk, max_nodes
-        self.choose_nodes = choose_nodes
+        self.controller = controller  # sizes the trees (None: every ranked node within max_nodes)
 
-    def drop(self, req_id: str) -> None:
-        self._valid.pop(req_id, None)
-        self.sampler.drop(req_id)
+    def source(self, req: ProposeRequest, max_k: int) -> Source:
+        return Source.METHOD
 
-    def source(self, req: ProposeRequest, max_k: int) -> str:
-        return ""
-
-    def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
+    def propose(self, reqs: list[ProposeRequest], other_rows: int = 0) -> list[Draft]:
         tree = [i for i, r in enumerate(reqs) if self.topk > 1 and tree_eligible(r.state)]
         greedy = not tree and all(plain_greedy(r.state) for r in reqs)
         toks, feats, starts = [], [], []
         for r in reqs:
             n = len(r.token_ids)
             first, f = r.features if r.features is not None else (n - 1, None)
-            start = min(self._valid.get(r.req_id, first), n - 1)
+            valid = r.spec.draft.head_valid
+            start = min(first if valid is None else valid, n - 1)
             toks.append(r.token_ids[start:])
             feats.append(self._features(f, first, start - 1, n - 1))
             starts.append(start)
         blocks = [r.block_ids for r in reqs]
         if greedy:
-            head_out, pred = self.step(toks, feats, starts, blocks, None, -1)  # draft-vocabulary logits, [B, hidden]
+            head_out, pred = self.steps.vocab_logits(toks, feats, starts, blocks)  # draft-vocabulary logits
         elif len(tree) == len(reqs):
-            best, pred = self.step(toks, feats, starts, blocks, None, self.topk)  # ([B, b], [B, b]), [B, hidden]
+            best, pred = self.steps.top(toks, feats, starts, blocks, None, self.topk)  # ([B, b], [B, b]), [B, hidden]
         else:
-            logits, pred = self.step(toks, feats, starts, blocks)  # [B, V], [B, hidden]
+            logits, pred = self.steps.logits(toks, feats, starts, blocks)  # [B, V], [B, hidden]
         for r in reqs:
-            self._valid[r.req_id] = len(r.token_ids)
+            r.spec.draft.head_valid = len(r.token_ids)
         if greedy:
             ids = self._greedy_tokens(reqs, [[] for _ in reqs], head_out)
             return self._greedy_chains(reqs, [[t] for t in ids], pred)
         if len(tree) == len(reqs):
-            return self._trees(reqs, best, pred)
+            return self._trees(reqs, best, pred, other_rows)
         if not tree:  # chains only: no row selection (a copy of the [B, V] logits)
             return self._chains(reqs, logits, pred)
         in_tree = set(tree)
@@ -117,7 +124,8 @@ class EagleProposer:
         out: list[Draft] = [Draft([])] * len(reqs)
         root = torch.log_softmax(logits[tree].float(), dim=-1).topk(self.topk, dim=-1)
         for part, drafts in ((chain, self._chains([reqs[i] for i in chain], logits[chain], pred[chain])),
-                             (tree, self._trees([reqs[i] for i in tree], (root.values, root.indices), pred[tree]))):
+                             (tree, self._trees([reqs[i] for i in tree], (root.values, root.indices), pred[tree],
+                                              other_rows))):
             for i, d in zip(part, drafts):
                 out[i] = d
         return out
@@ -127,8 +135,8 @@ class EagleProposer:
         state = {"pred": pred}
 
         def advance(rows: list[int], active: list[int], last: list[int], pos: list[int]) -> torch.Tensor:
-            logits, state["pred"] = self.step([[t] for t in last], list(state["pred"][rows].unsqueeze(1)),
-                                              pos, [blocks[i] for i in active])
+            logits, state["pred"] = self.steps.logits([[t] for t in last], list(state["pred"][rows].unsqueeze(1)),
+                                                      pos, [blocks[i] for i in active])
             return logits
 
         return draft_chain(reqs, logits, self.sampler, advance)
@@ -140,9 +148,9 @@ class EagleProposer:
         if len(active) < len(reqs):
             pred = pred[active]
         while active:
-            out, pred = self.step([[drafts[i][-1]] for i in active], pred,
-                                  [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active],
-                                  [reqs[i].block_ids for i in active], None, -1)
+            out, pred = self.steps.vocab_logits([[drafts[i][-1]] for i in active], pred,
+                                                [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active],
+                                                [reqs[i].block_ids for i in active])
             for i, t in zip(active, self._greedy_tokens([reqs[i] for i in active], [drafts[i] for i in active], out)):
                 drafts[i].append(t)
             keep = [j for j, i in enumerate(active) if len(drafts[i]) < reqs[i].k]
@@ -152,7 +160,7 @@ class EagleProposer:
 
     def _greedy_tokens(self, reqs: list[ProposeRequest], drafts: list[list[int]],
                        out: tuple[torch.Tensor, torch.Tensor | None]) -> list[int]:
-        """Each row's greedy draft from a ``top`` = -1 step (logits over the draft vocabulary and its ids): the
+        """Each row's greedy draft from a ``vocab_logits`` step (logits over the draft vocabulary and its ids): the
         argmax, or for a grammar row whose grammar forbids it after the row's drafts (with grammar-aware
         drafting on), the best token the grammar allows (``DraftSampler`` masks the same distribution)."""
         logits, vocab = out
@@ -168,8 +176,8 @@ class EagleProposer:
             toks[j] = row_argmax(DraftSampler.masked(full, [r], [drafts[j]]))[0]
         return toks
 
-    def _trees(self, reqs: list[ProposeRequest], top: tuple[torch.Tensor, torch.Tensor], pred: torch.Tensor
-               ) -> list[Draft]:
+    def _trees(self, reqs: list[ProposeRequest], top: tuple[torch.Tensor, torch.Tensor], pred: torch.Tensor,
+               other_rows: int) -> list[Draft]:
         """Dynamic draft trees of depth ``r.k`` (module docstring); the b most likely tokens at each request's
         root (log-probabilities and ids, [B, b] each) and its [B, hidden] predicted feature."""
         b = self.topk
@@ -200,7 +208,7 @@ class EagleProposer:
                 t.expanded += len(front)
             if not active:
                 break
-            (vals, ids), pred = self.step(toks, feats, starts, [reqs[i].block_ids for i in active], rts, b)  # [T, b]
+            (vals, ids), pred = self.steps.top(toks, feats, starts, [reqs[i].block_ids for i in active], rts, b)
             new: dict[int, list[int]] = {i: [] for i in active}
             for (i, node), v, x, h in zip(rows, vals.tolist(), ids.tolist(), pred):
                 t = trees[i]
@@ -211,7 +219,8 @@ class EagleProposer:
         ranked = [sorted(range(len(t.tokens)), key=lambda node: (-t.scores[node], t.depth[node]))
                   [:min(self.max_nodes, r.slots)] for t, r in zip(trees, reqs)]
         probs = [[math.exp(trees[i].scores[node]) for node in r] for i, r in enumerate(ranked)]
-        sizes = self.choose_nodes(probs) if self.choose_nodes is not None else [len(r) for r in ranked]
+        sizes = self.controller.choose_tree_sizes(probs, other_rows) if self.controller is not None \
+            else [len(r) for r in ranked]
         return [t.draft(r[:n], sum(p[:n])) for t, r, p, n in zip(trees, ranked, probs, sizes)]
 
     def _features(self, f: torch.Tensor | None, first: int, lo: int, hi: int) -> torch.Tensor:

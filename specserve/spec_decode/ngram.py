@@ -11,6 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specserve.spec_decode.proposer import Draft, ProposeRequest
+from specserve.spec_decode.state import DraftState, Source
 
 
 def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
@@ -59,21 +60,13 @@ class NgramIndex:
         return [], 0
 
 
-class NgramIndexes:
-    """One ``NgramIndex`` per request (rebuilt when its token list is another one)."""
-
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.min_n, self.max_n = min_n, max_n
-        self._by_req: dict[str, NgramIndex] = {}
-
-    def match(self, req_id: str, token_ids: list[int], k: int) -> tuple[list[int], int]:
-        idx = self._by_req.get(req_id)
-        if idx is None or idx.tokens is not token_ids or idx.done > len(token_ids):
-            idx = self._by_req[req_id] = NgramIndex(token_ids, self.min_n, self.max_n)
-        return idx.match(k)
-
-    def drop(self, req_id: str) -> None:
-        self._by_req.pop(req_id, None)
+def ngram_match(draft: DraftState, token_ids: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """``lookup_match`` through the request's ``NgramIndex`` (kept in its ``DraftState``; rebuilt when its token
+    list is another one)."""
+    idx = draft.ngram
+    if idx is None or idx.tokens is not token_ids or idx.done > len(token_ids):
+        idx = draft.ngram = NgramIndex(token_ids, min_n, max_n)
+    return idx.match(k)
 
 
 class NgramProposer:
@@ -81,13 +74,9 @@ class NgramProposer:
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        self.indexes = NgramIndexes(min_n, max_n)
 
-    def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
-        return [Draft(self.indexes.match(r.req_id, r.token_ids, r.k)[0]) for r in reqs]
+    def propose(self, reqs: list[ProposeRequest], other_rows: int = 0) -> list[Draft]:
+        return [Draft(ngram_match(r.spec.draft, r.token_ids, r.k, self.min_n, self.max_n)[0]) for r in reqs]
 
-    def drop(self, req_id: str) -> None:
-        self.indexes.drop(req_id)
-
-    def source(self, req: ProposeRequest, max_k: int) -> str:
-        return ""
+    def source(self, req: ProposeRequest, max_k: int) -> Source:
+        return Source.METHOD

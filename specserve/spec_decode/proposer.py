@@ -8,12 +8,13 @@ distribution q (``[k, vocab]``), which exact rejection sampling needs. ``probs=N
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from specserve.sample.sampler import RequestSamplingState
+from specserve.spec_decode.state import Source, SpecState
 
 
 @dataclass(slots=True)
@@ -21,7 +22,7 @@ class ProposeRequest:
     req_id: str
     token_ids: list[int]  # prompt + output so far (read-only view of the worker's list)
     num_computed: int  # target KV is valid for positions < num_computed (after verification)
-    k: int  # how many drafts to propose (>= 1)
+    k: int  # how many drafts to propose: the controller's choice, within ``room`` (>= 1 when proposed)
     block_ids: tuple[int, ...]  # KV blocks (draft models share the target's block tables)
     state: RequestSamplingState
     # EAGLE: (first position, [n, hidden]) target features (pre-norm last-layer hidden states) computed since
@@ -29,6 +30,8 @@ class ProposeRequest:
     features: tuple[int, torch.Tensor] | None = None
     # KV slots past the known tokens that drafting may write and a tree may fill (allocated, within room).
     slots: int = 0
+    room: int = 0  # the most drafts the request has room for (max_tokens, context), set by the model runner
+    spec: SpecState = field(default_factory=SpecState)  # the request's speculation state (spec_decode/state.py)
 
 
 @dataclass(slots=True)
@@ -45,14 +48,14 @@ class Proposer(Protocol):
     # True when proposing writes KV ahead of the request's tokens (the scheduler reserves lookahead slots).
     writes_kv: bool
 
-    def source(self, req: ProposeRequest, max_k: int) -> str:
+    def source(self, req: ProposeRequest, max_k: int) -> Source:
         """Where this request's next drafts will come from (asked before k is chosen): the controller keeps
-        acceptance per source. One-source proposers answer ""; ``--prompt-lookup-first`` answers "lookup"
-        (drafts that cost no model step) or "model"."""
+        acceptance per source. One-source proposers answer ``Source.METHOD``; ``--prompt-lookup-first``
+        answers ``Source.LOOKUP`` (drafts that cost no model step) or ``Source.MODEL``."""
         ...
 
-    def propose(self, reqs: list[ProposeRequest]) -> list[Draft]: ...
-
-    def drop(self, req_id: str) -> None:
-        """Forget a finished or preempted request's draft state."""
+    def propose(self, reqs: list[ProposeRequest], other_rows: int = 0) -> list[Draft]:
+        """Drafts per request; a proposer keeps what it needs of a request in ``req.spec.draft``.
+        ``other_rows``: the rows of the step that are not these proposals (draft trees are sized against the
+        whole step)."""
         ...

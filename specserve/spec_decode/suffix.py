@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from specserve.spec_decode.proposer import Draft, ProposeRequest
+from specserve.spec_decode.state import Source
 
 SUFFIX_KEY_N = 2  # the key: the context's last 2 tokens (matches are then extended backwards)
 Occurrence = tuple[Sequence[int], int]  # (tokens, index of the token after the matched key)
@@ -138,19 +139,18 @@ class SuffixProposer:
     def __init__(self, key_n: int, max_tokens: int, max_match: int = 32) -> None:
         self.key_n, self.max_match = key_n, max_match
         self.index = SuffixIndex(max_tokens, key_n)
-        self._live: dict[str, _Indexed] = {}  # req_id -> its own history, indexed
 
-    def source(self, req: ProposeRequest, max_k: int) -> str:
-        return ""
+    def source(self, req: ProposeRequest, max_k: int) -> Source:
+        return Source.METHOD
 
-    def propose(self, reqs: list[ProposeRequest]) -> list[Draft]:
+    def propose(self, reqs: list[ProposeRequest], other_rows: int = 0) -> list[Draft]:
         return [Draft(self.lookup(r, r.k)[0]) for r in reqs]
 
     def lookup(self, r: ProposeRequest, k: int) -> tuple[list[int], int]:
         """(up to k drafts for this request, the length of the matches they follow; 0: none)."""
-        own = self._live.get(r.req_id)
+        own = r.spec.draft.suffix  # its own history, indexed (rebuilt after a preemption)
         if own is None or own.tokens is not r.token_ids:
-            own = self._live[r.req_id] = _Indexed(r.token_ids)
+            own = r.spec.draft.suffix = _Indexed(r.token_ids)
         ctx = r.token_ids
         own.update(self.key_n, len(ctx))  # keys ending before the last token: its continuation is known
         if len(ctx) < self.key_n:
@@ -159,10 +159,6 @@ class SuffixProposer:
         occ = self.index.occurrences(r.state.params.user, key) + [(ctx, p) for p in own.positions.get(key, ())
                                                                   if p < len(ctx)]
         return suffix_match(ctx, occ, k, self.max_match)
-
-    def drop(self, req_id: str) -> None:
-        """A preempted or finished request: its own-history index is rebuilt if it comes back."""
-        self._live.pop(req_id, None)
 
     def finish(self, token_ids: list[int], user: str | None) -> None:
         """A finished request's prompt and output join its user's partition of the index."""

@@ -1,9 +1,10 @@
 """The drafter: the worker's side of speculative decoding, behind one call per step.
 
-It owns everything only speculation needs: the draft model or EAGLE head and its KV, the proposer, the
-adaptive controller, the timing of draft steps (the controller's cost model) and the target features an
-EAGLE head reads. The model runner runs the target, verifies, reports what it measured
-(``record_target``, ``record_acceptance``) and asks ``propose(candidates)`` once per step.
+It wires what only speculation needs: the draft model or EAGLE head and its KV, the proposer, the adaptive
+controller, the timing of draft steps (the controller's cost model) and every request's ``SpecState``
+(spec_decode/state.py: acceptance, drafts in flight, the target features an EAGLE head reads, the proposer's
+own state). The model runner runs the target, verifies, reports what it measured (``record_target``,
+``record_acceptance``) and asks ``propose(candidates)`` once per step.
 
 ``--speculative-method`` is resolved here, once, at start-up (``_load_draft_model``, ``_make_proposer``);
 nothing on the hot path branches on it. See docs/speculative_decoding.md.
@@ -26,16 +27,16 @@ from specserve.model.loader import load_checkpoint
 from specserve.model.quant import packed_linear
 from specserve.model.tensor_parallel import TensorParallel
 from specserve.platform import Platform
-from specserve.request import SpecStats
-from specserve.spec_decode.controller import FREE_SOURCES, GRAMMAR_SOURCE, SpecController
+from specserve.spec_decode.controller import SpecController
 from specserve.spec_decode.draft_model import DraftModelProposer
-from specserve.spec_decode.eagle import EagleProposer
-from specserve.spec_decode.lookup_first import MODEL_SOURCE, LookupFirstProposer
+from specserve.spec_decode.eagle import EagleProposer, EagleSteps
+from specserve.spec_decode.lookup_first import LookupFirstProposer
 from specserve.spec_decode.ngram import NgramProposer, lookup
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
+from specserve.spec_decode.state import FREE_SOURCES, Source, SpecState, SpecStates
 from specserve.spec_decode.suffix import SUFFIX_KEY_N, SuffixProposer
-from specserve.worker.features import FeatureBuffer, eagle_step
-from specserve.worker.graphs import GraphPlan, ModelStep
+from specserve.worker.draft_steps import eagle_steps, logits_step
+from specserve.worker.graphs import GraphPlan
 from specserve.worker.mirror import Mirror
 
 # Builds a model the way the target was built (dtype, quantization, attention backend, kernels).
@@ -75,20 +76,16 @@ class Drafter:
         self.defers_first_draft = self.spec_config.method in ("draft", "eagle", "layer_skip")
         if isinstance(self.model, EagleHead):
             target.feature_layers = self.model.cfg.feature_layers  # the layers the head reads
-        self.controller = SpecController(self.spec_config.num_speculative_tokens, self.spec_config.adaptive)
+        self.states = SpecStates()  # every request's speculation state, created and dropped here
+        self.controller = SpecController(self.spec_config.num_speculative_tokens, self.spec_config.adaptive,
+                                         states=self.states)
         self.kv_caches: list[torch.Tensor] = []
         self.proposer: Proposer | None = None
         self._plan: GraphPlan | None = None
-        self._features: dict[str, FeatureBuffer] = {}
-        self._sources: dict[str, str] = {}  # req_id -> the source of its drafts in flight
-        # Verification counters per draft source ("" for a one-source proposer, "model", "lookup", "grammar").
-        self.source_stats: dict[str, SpecStats] = {}
-        self._calls: list[tuple[int, int, float]] = []  # (rows, tokens, seconds) of one proposal's model steps
-        self._other_rows = 0  # rows of the step being proposed that are not model drafts (tree sizes are priced with them)
-        self._on_finish: Callable[[list[int], str | None], None] | None = None  # suffix decoding's index
-        # Draft trees: the predicted accepted nodes (sum of draft path probabilities) of each tree in flight.
-        self._tree_predicted: dict[str, float] = {}
+        self.timer = DraftTimer()
+        self._suffix: SuffixProposer | None = None  # suffix decoding's index of finished requests
         self._router: LookupFirstProposer | None = None  # --prompt-lookup-first
+        self._eagle: EagleProposer | None = None  # sizes its trees with the controller
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _load_draft_model(self) -> LlamaModel | EagleHead | None:
@@ -130,18 +127,14 @@ class Drafter:
         # Suffix decoding's index: the method itself, or the lookup side of --prompt-lookup-first.
         suffix = None
         if spec_config.method == "suffix" or spec_config.prompt_lookup_source == "suffix":
-            suffix = SuffixProposer(SUFFIX_KEY_N, spec_config.suffix_cache_tokens)
-            self._on_finish = suffix.finish
+            suffix = self._suffix = SuffixProposer(SUFFIX_KEY_N, spec_config.suffix_cache_tokens)
         if spec_config.method == "suffix":
             assert suffix is not None
             return suffix
         model = self._make_model_proposer(target_kv, block_size)
         if spec_config.prompt_lookup_first:
             self._router = LookupFirstProposer(
-                model, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max,
-                rate=lambda gains, free, backlog: self.controller.best_rate(gains, free, backlog),
-                model_gains=lambda req_id: self.controller.gains(req_id, MODEL_SOURCE), suffix=suffix,
-                backlog=self.backlog,
+                model, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, self.controller, suffix=suffix,
                 grammar_cut=spec_config.grammar_drafts)
             return self._router
         return model
@@ -150,72 +143,55 @@ class Drafter:
         spec_config, arch, device = self.spec_config, self.target.arch, self.platform.device
         if spec_config.method == "draft":
             assert isinstance(self.model, LlamaModel)
-            step = self._logits_step(self.model, self.kv_caches, block_size, None)
+            step = logits_step(self.model, self.kv_caches, block_size, device, None, self._plan)
             if self.model.tp is not None:
                 step = self.mirror.wrap("draft", step)
-            return DraftModelProposer(self._timed(step), shares_target_kv=False, vocab_size=arch.vocab_size,
+            return DraftModelProposer(self.timer.timed(step), shares_target_kv=False, vocab_size=arch.vocab_size,
                                       grammar=spec_config.grammar_drafts)
         if spec_config.method == "eagle":
             assert isinstance(self.model, EagleHead)
-            step = self.mirror.wrap("eagle", eagle_step(self.target, self.model, self.kv_caches[0], block_size, device))
-            return EagleProposer(self._timed(step), arch.hidden_size * self.model.cfg.num_feature_layers,
-                                 arch.vocab_size, spec_config.eagle_topk, spec_config.num_draft_tokens or 0,
-                                 lambda probs: self.controller.choose_tree_sizes(probs, self._other_rows),
-                                 grammar=spec_config.grammar_drafts)
+            steps = eagle_steps(self.target, self.model, self.kv_caches[0], block_size, device)
+            timed = EagleSteps(*(self.timer.timed(self.mirror.wrap(key, fn)) for key, fn in (
+                ("eagle", steps.logits), ("eagle_vocab", steps.vocab_logits), ("eagle_top", steps.top))))
+            self._eagle = EagleProposer(timed, arch.hidden_size * self.model.cfg.num_feature_layers, arch.vocab_size,
+                                        spec_config.eagle_topk, spec_config.num_draft_tokens or 0, self.controller,
+                                        grammar=spec_config.grammar_drafts)
+            return self._eagle
         if spec_config.method == "layer_skip":
             layers = spec_config.draft_layers or max(1, arch.num_layers // 4)
             if layers >= arch.num_layers:
                 raise SpecserveError(f"--draft-layers {layers} must be below the target's {arch.num_layers} layers")
-            step = self.mirror.wrap("layer_skip", self._logits_step(self.target, target_kv[:layers], block_size, layers))
-            return DraftModelProposer(self._timed(step), shares_target_kv=True, vocab_size=arch.vocab_size,
+            step = self.mirror.wrap("layer_skip", logits_step(self.target, target_kv[:layers], block_size, device,
+                                                              layers, self._plan))
+            return DraftModelProposer(self.timer.timed(step), shares_target_kv=True, vocab_size=arch.vocab_size,
                                       grammar=spec_config.grammar_drafts)
         raise SpecserveError(f"speculative method {spec_config.method!r} is not available in this build")
-
-    def _logits_step(self, model: LlamaModel, kv: list[torch.Tensor], block_size: int, layers: int | None):
-        forward = ModelStep(model, kv, block_size, self.platform.device, layers, self._plan)
-
-        def step(token_ids: list[list[int]], starts: list[int], block_ids: list[tuple[int, ...]]) -> torch.Tensor:
-            return model.compute_logits(forward(token_ids, starts, block_ids).last_hidden())  # [B, V]
-        return step
-
-    def _timed(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        """The proposer's model step, timed per call (rows, tokens, seconds) for the controller's draft cost."""
-        def timed(token_ids: list[list[int]], *args: Any) -> Any:
-            t0 = time.perf_counter()
-            out = step(token_ids, *args)
-            self._calls.append((len(token_ids), sum(len(t) for t in token_ids), time.perf_counter() - t0))
-            return out
-        return timed
 
     # -- per request ----------------------------------------------------------------------------------------
     def keep_features(self, req_id: str, pos: int, h: torch.Tensor, owned: bool = False) -> None:
         """The target's features of positions pos.. (a feature sink; ``owned``: views of the step's own copy),
-        buffered until the request's next model proposal."""
-        buf = self._features.get(req_id)
-        if buf is None:
-            buf = self._features[req_id] = FeatureBuffer()
-        buf.add(pos, h, owned)
+        buffered in the request's ``SpecState`` until its next model proposal."""
+        self.states.of(req_id).features.add(pos, h, owned)
+
+    def state(self, req_id: str) -> SpecState:
+        """The request's speculation state (created on first use; ``drop`` forgets it)."""
+        return self.states.of(req_id)
 
     def drop(self, req_id: str, token_ids: list[int] | None = None, user: str | None = None) -> None:
-        """Forget a finished request (``token_ids``: its prompt + output when it speculated, for suffix
-        decoding's index, partitioned by ``user``)."""
-        if self._on_finish is not None and token_ids is not None:
-            self._on_finish(token_ids, user)
-        self.forget_kv(req_id)
-        self.controller.drop(req_id)
-        self._features.pop(req_id, None)
-        self._tree_predicted.pop(req_id, None)
-        self._sources.pop(req_id, None)
+        """Forget a finished or aborted request (``token_ids``: its prompt + output when it speculated, for
+        suffix decoding's index, partitioned by ``user``)."""
+        if self._suffix is not None and token_ids is not None:
+            self._suffix.finish(token_ids, user)
+        self.states.drop(req_id)
 
     def backlog(self, req_id: str) -> int:
         """Target features an EAGLE head must read for this request before it drafts (0 for other drafts)."""
-        buf = self._features.get(req_id)
-        return len(buf) if buf is not None else 0
+        state = self.states.get(req_id)
+        return len(state.features) if state is not None else 0
 
     def forget_kv(self, req_id: str) -> None:
         """A preempted request resumes: its draft KV was freed with its blocks."""
-        if self.proposer is not None:
-            self.proposer.drop(req_id)
+        self.states.forget_kv(req_id)
 
     # -- per step -------------------------------------------------------------------------------------------
     def record_target(self, num_tokens: int, seconds: float) -> None:
@@ -223,13 +199,18 @@ class Drafter:
         self.controller.record_target(num_tokens, seconds)
 
     def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int,
-                          parents: tuple[int, ...] | None = None) -> str:
-        """One verification: ``num_accepted`` of ``num_draft`` drafts (a tree: its nodes, ``parents``). Returns
-        the drafts' source label ("model", "lookup", "grammar", or the method of a one-source proposer)."""
-        source = self._sources.pop(req_id, "")
-        predicted = self._tree_predicted.pop(req_id, None)
+                          parents: tuple[int, ...] | None = None) -> Source | None:
+        """One verification: ``num_accepted`` of ``num_draft`` drafts (a tree: its nodes, ``parents``), for the
+        controller and the router. Returns the drafts' source (None: the request had no drafts in flight)."""
+        state = self.states.get(req_id)
+        if state is None:  # it never drafted
+            return None
+        source, predicted = state.source, state.tree_predicted
+        state.source, state.tree_predicted = None, None
         if self._router is not None:
-            self._router.observe(req_id, source, num_draft, num_accepted)
+            self._router.observe(state, source, num_draft, num_accepted)
+        if source is None:
+            return None
         if parents is not None:  # the controller's positions are depths
             depth: list[int] = []
             for p in parents:
@@ -239,16 +220,14 @@ class Drafter:
                 self.controller.record_tree(predicted, num_accepted)
         else:
             self.controller.record_acceptance(req_id, num_draft, num_accepted, source)
-        if num_draft:
-            self.source_stats.setdefault(source, SpecStats()).record(num_draft, num_accepted)
-        return source or self.spec_config.method or ""
+        return source
 
     def propose(self, cands: list[ProposeRequest], draining: bool = False) -> dict[str, Draft]:
-        """Drafts for the next step. ``cands``: the speculating requests after this step, each with ``k`` the
-        most drafts it has room for; the controller picks each one's k within that (0: no drafts), pricing the
-        features an EAGLE head must catch up on before it drafts (``backlog``).
+        """Drafts for the next step. ``cands``: the speculating requests after this step, each with ``room`` the
+        most drafts it has room for; the controller sets each one's ``k`` within that (0: no drafts), pricing
+        the features an EAGLE head must catch up on before it drafts (``backlog``).
         ``draining``: an offline batch that only drains; the controller then plans for the batch's end
-        (``SpecController.choose_ks``' ``remaining``: ``k`` + 1 tokens each).
+        (``SpecController.choose_ks``' ``remaining``: ``room`` + 1 tokens each).
 
         Structured outputs (``--no-grammar-drafts`` turns this off): where the request's grammar forces the
         next tokens, those are its drafts (free, source "grammar"); a draft model or head drafts among the
@@ -257,53 +236,51 @@ class Drafter:
         assert self.proposer is not None, "Drafter.start was not called"
         proposer, controller = self.proposer, self.controller
         use_grammar = self.spec_config.grammar_drafts
-        forced = [c.state.grammar.forced_tokens(min(controller.max_k, c.k))
+        forced = [c.state.grammar.forced_tokens(min(controller.max_k, c.room))
                   if use_grammar and c.state.grammar is not None else [] for c in cands]
-        sources = [GRAMMAR_SOURCE if f else proposer.source(c, controller.max_k)
-                   for c, f in zip(cands, forced)]
-        remaining = [c.k + 1 for c in cands] if draining else None
-        backlog = [self.backlog(c.req_id) for c in cands]
+        sources = [Source.GRAMMAR if f else proposer.source(c, controller.max_k) for c, f in zip(cands, forced)]
+        remaining = [c.room + 1 for c in cands] if draining else None
+        backlog = [len(c.spec.features) for c in cands]
         ks = controller.choose_ks([c.req_id for c in cands], sources=sources, remaining=remaining, backlog=backlog)
         out: dict[str, Draft] = {}
         reqs, req_sources = [], []
         for c, k, source, f in zip(cands, ks, sources, forced):
-            c.k = min(k, c.k)
+            c.k = min(k, c.room)
             if c.k < 1:
                 continue
             if f:
                 out[c.req_id] = Draft(self._grammar_draft(c, f))
-                self._sources[c.req_id] = source
+                c.spec.source = source
                 continue
-            buf = self._features.get(c.req_id)
             # NOTE: lookup drafts read no features; they stay buffered for the model's next proposal.
-            c.features = buf.take() if buf is not None and source not in FREE_SOURCES else None
+            c.features = c.spec.features.take() if source not in FREE_SOURCES else None
             reqs.append(c)
             req_sources.append(source)
         if not reqs:
             return out
         # the step's rows outside the model's drafts: requests not drafting, and grammar drafts (tree sizes
         # are priced against the whole step, not as if the trees were alone in it)
-        self._other_rows = len(cands) - len(reqs) + sum(len(d.token_ids) for d in out.values())
+        other_rows = len(cands) - len(reqs) + sum(len(d.token_ids) for d in out.values())
         t0, captures = time.perf_counter(), self.num_captures()
-        self._calls = []
-        drafts = proposer.propose(reqs)
+        self.timer.start()
+        drafts = proposer.propose(reqs, other_rows)
+        calls = self.timer.calls
         stepped = [r.k for r, s in zip(reqs, req_sources) if s not in FREE_SOURCES]  # drafts costing model steps
-        step_cost = draft_step_cost(self._calls, time.perf_counter() - t0, max(stepped, default=1))
+        step_cost = draft_step_cost(calls, time.perf_counter() - t0, max(stepped, default=1))
         if stepped and self.num_captures() == captures:  # a step that captured a graph is no cost sample
             controller.record_draft(len(stepped), step_cost)
-            rows, tokens, first = self._calls[0] if self._calls else (0, 0, 0.0)
+            rows, tokens, first = calls[0] if calls else (0, 0, 0.0)
             if tokens >= 2 * rows > 0:  # the first call caught the draft up on a backlog: its cost per token
                 controller.record_catch_up(tokens, first)
-        self._calls = []
         for r, d, source in zip(reqs, drafts, req_sources):
             if use_grammar and r.state.grammar is not None and d.token_ids and d.parents is None:
                 n = r.state.grammar.valid_prefix(d.token_ids)
                 d = Draft(d.token_ids[:n], d.probs[:n] if d.probs is not None and n else None)
             if d.token_ids:
                 out[r.req_id] = d
-                self._sources[r.req_id] = source
+                r.spec.source = source
                 if d.parents is not None:
-                    self._tree_predicted[r.req_id] = d.predicted
+                    r.spec.tree_predicted = d.predicted
         return out
 
     def _grammar_draft(self, c: ProposeRequest, forced: list[int]) -> list[int]:
@@ -331,9 +308,33 @@ class Drafter:
         if not 1 <= k <= self.spec_config.num_speculative_tokens:
             raise ValueError(f"k={k} is outside 1..{self.spec_config.num_speculative_tokens} (--num-speculative-tokens)")
         old = self.controller
-        self.controller = SpecController(k, old.adaptive if adaptive is None else adaptive)
+        self.controller = SpecController(k, old.adaptive if adaptive is None else adaptive, states=self.states)
         self.controller.cost_observers = old.cost_observers
+        self.states.forget_acceptance()
+        for user in (self._router, self._eagle):  # the proposers that ask the controller
+            if user is not None:
+                user.controller = self.controller
         return self.controller
+
+
+class DraftTimer:
+    """The model calls of one proposal, each as (rows, tokens, seconds): the controller's draft cost."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, float]] = []
+
+    def start(self) -> None:
+        """A proposal begins: its calls are recorded from here."""
+        self.calls = []
+
+    def timed(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """``step``, recording each call's rows (requests), tokens and seconds."""
+        def timed(token_ids: list[list[int]], *args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = step(token_ids, *args)
+            self.calls.append((len(token_ids), sum(len(t) for t in token_ids), time.perf_counter() - t0))
+            return out
+        return timed
 
 
 def draft_step_cost(calls: list[tuple[int, int, float]], total: float, k: int) -> float:

@@ -1,7 +1,8 @@
 """The worker: owns the target model and the KV tensors (speculation: its drafter); runs one step.
 
 execute(step) = prepare flat inputs -> target forward -> logits at the positions that need them ->
-verify/sample (k = 0 is ordinary decoding) -> propose drafts for the next step.
+verify/sample (``sample/verification.verify_step``; k = 0 is ordinary decoding) -> propose drafts for the
+next step (the drafter).
 """
 
 from __future__ import annotations
@@ -35,16 +36,9 @@ from specserve.platform import (
     to_device,
 )
 from specserve.sample.grammar import GrammarState
-from specserve.sample.rejection_sampler import accept_greedy, verify, verify_tree
-from specserve.sample.sampler import (
-    Logprobs,
-    RequestSamplingState,
-    compute_logprobs,
-    greedy_argmax,
-    process_logits,
-    row_starts,
-)
-from specserve.spec_decode.proposer import ProposeRequest
+from specserve.sample.sampler import Logprobs, RequestSamplingState, compute_logprobs
+from specserve.sample.verification import Verification, verify_step
+from specserve.spec_decode.proposer import ProposeRequest, Source
 from specserve.worker.drafter import Drafter, mirrors_draft_calls
 from specserve.worker.features import FeatureSink, sink_features
 from specserve.worker.graphs import (
@@ -304,26 +298,16 @@ class ModelRunner:
                 sink_features(rows, {}, prenorm, sink)
             return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_logprobs)
         cached = [self.requests[r.req_id] for r in sample_rows]
-        states = [c.state for c in cached]
-        counts = [r.num_spec_tokens + 1 for r in sample_rows]
-        drafts = [list(r.token_ids[r.num_tokens - r.num_spec_tokens:]) for r in sample_rows]
         qs = [c.draft_probs[:r.num_spec_tokens] if c.draft_probs is not None and r.num_spec_tokens else None
               for c, r in zip(cached, sample_rows)]
-        # all-greedy chains with no processing but grammars: argmaxes, masking only rows whose argmax is forbidden
-        best = greedy_argmax(logits, states, counts, drafts) \
-            if all(r.spec_parents is None for r in sample_rows) else None
-        paths: dict[int, list[int]] = {}
-        if best is not None:
-            emitted = accept_greedy(best, counts, drafts)
-        else:
-            emitted, paths = self._verify(process_logits(logits, states, counts, drafts), sample_rows, states,
-                                          counts, drafts, qs)
-        if paths:
-            self._settle_trees(rows, paths, prenorm)
+        verified = verify_step(logits, rows, [c.state for c in cached], qs, self.block_size)
+        emitted, paths = verified.emitted, verified.paths
+        self._settle(verified, prenorm)
+        counts = [r.num_spec_tokens + 1 for r in sample_rows]
         logprobs = self._logprobs(logits, sample_rows, cached, counts, emitted, paths)
         if drafter is not None and drafter.num_captures() == captures:  # a capture step is no cost sample
             drafter.record_target(so.total_tokens, time.perf_counter() - t0)
-        sources: dict[str, str] = {}
+        sources: dict[str, Source] = {}
         for r, c, em in zip(sample_rows, cached, emitted):
             if c.state.grammar is not None:
                 c.state.grammar.accept(em)
@@ -332,7 +316,7 @@ class ModelRunner:
             c.draft_probs = None
             if drafter is not None:
                 source = drafter.record_acceptance(r.req_id, r.num_spec_tokens, len(em) - 1, r.spec_parents)
-                if r.num_spec_tokens:
+                if r.num_spec_tokens and source is not None:
                     sources[r.req_id] = source
         sampled = {r.req_id: em for r, em in zip(sample_rows, emitted)}
         if sink is not None and prenorm is not None:
@@ -364,58 +348,14 @@ class ModelRunner:
             off += r.num_tokens
         return ((at, ids, top) if at else None), scored
 
-    @staticmethod
-    def _verify(processed: torch.Tensor, rows: list[ScheduledRequest], states: list[RequestSamplingState],
-                counts: list[int], drafts: list[list[int]], qs: list[torch.Tensor | None]
-                ) -> tuple[list[list[int]], dict[int, list[int]]]:
-        """Emitted tokens per sampling row, and the accepted node path of each tree row (by row index)."""
-        tree = [i for i, r in enumerate(rows) if r.spec_parents is not None]
-        if not tree:
-            return verify(processed, states, counts, drafts, qs), {}
-        starts = [*row_starts(counts), sum(counts)]
-        emitted: list[list[int]] = [[] for _ in rows]
-        paths: dict[int, list[int]] = {}
-        for i in tree:
-            parents = rows[i].spec_parents
-            assert parents is not None
-            emitted[i], paths[i] = verify_tree(processed[starts[i]:starts[i + 1]], states[i], drafts[i], list(parents))
-        chain = [i for i in range(len(rows)) if rows[i].spec_parents is None]
-        if chain:
-            idx = to_device([j for i in chain for j in range(starts[i], starts[i + 1])], processed.device, torch.long)
-            for i, em in zip(chain, verify(processed[idx], [states[i] for i in chain], [counts[i] for i in chain],
-                                           [drafts[i] for i in chain], [qs[i] for i in chain])):
-                emitted[i] = em
-        return emitted, paths
-
-    def _settle_trees(self, rows: list[ScheduledRequest], paths: dict[int, list[int]],
-                      prenorm: torch.Tensor | None) -> None:
-        """Move each tree's accepted path into the slots right after its root, as if it had been a chain: the
-        target's KV (one mirrored call) and the step's features. The rest of the tree is stale, like rejected
-        chain drafts."""
-        sample_rows = [r for r in rows if r.needs_sample]
-        flat_start, off = {}, 0
-        for r in rows:
-            flat_start[r.req_id] = off
-            off += r.num_tokens
-        src: list[int] = []
-        dst: list[int] = []
-        for i, path in paths.items():
-            r = sample_rows[i]
-            first = r.num_tokens - r.num_spec_tokens  # row index of node 0
-            moved = [(first + p, first + j) for j, p in enumerate(path) if p != j]
-            if not moved:
-                continue
-            bs = self.block_size
-            for a, b in moved:
-                pa, pb = r.num_computed_tokens + a, r.num_computed_tokens + b
-                src.append(r.block_ids[pa // bs] * bs + pa % bs)
-                dst.append(r.block_ids[pb // bs] * bs + pb % bs)
-            if prenorm is not None:
-                base = flat_start[r.req_id]
-                with torch.inference_mode():  # the step's features are inference tensors
-                    prenorm[[base + b for _, b in moved]] = prenorm[[base + a for a, _ in moved]]
-        if src:
-            self._move_kv_call(src, dst)
+    def _settle(self, verified: Verification, prenorm: torch.Tensor | None) -> None:
+        """Apply a verification's tree settling: the target's KV (one mirrored call) and the step's features."""
+        if prenorm is not None and verified.feature_moves:
+            src, dst = zip(*verified.feature_moves)
+            with torch.inference_mode():  # the step's features are inference tensors
+                prenorm[list(dst)] = prenorm[list(src)]
+        if verified.kv_src:
+            self._move_kv_call(verified.kv_src, verified.kv_dst)
 
     def _move_kv(self, src: list[int], dst: list[int]) -> None:
         """KV slots ``src`` -> ``dst`` in every target layer (each dst is before or at its src, and no dst is a
@@ -501,7 +441,8 @@ class ModelRunner:
             if c.spec_enabled and not (defer and len(c.state.output_token_ids) == len(em)):
                 valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
                 slots = min(room, len(r.block_ids) * self.block_size - len(c.token_ids))
-                cands.append(ProposeRequest(r.req_id, c.token_ids, valid, room, r.block_ids, c.state, slots=slots))
+                cands.append(ProposeRequest(r.req_id, c.token_ids, valid, 0, r.block_ids, c.state, slots=slots,
+                                            room=room, spec=self.drafter.state(r.req_id)))
         drafts = self.drafter.propose(cands, draining) if cands else {}
         for req_id, d in drafts.items():
             self.requests[req_id].draft_probs = d.probs
