@@ -118,16 +118,10 @@ def cost_tap(controller) -> Iterator[tuple[list, list]]:
         controller.cost_observers.remove(tap)
 
 
-def _controller(llm):
-    drafter = llm.engine.runner.drafter
-    return drafter.controller if drafter is not None else None
-
-
 def reset_controller(llm, adaptive: bool | None = None) -> None:
     """A fresh controller (no fitted costs, no acceptance history), adaptive or fixed-k, on the loaded
     engine: lets one process compare adaptive on and off without reloading the model."""
-    if llm.engine.runner.drafter is not None:
-        llm.engine.runner.drafter.reset_controller(adaptive=adaptive)
+    llm.reset_spec_controller(adaptive=adaptive)
 
 
 def set_batch_size(llm, batch_size: int) -> None:
@@ -152,7 +146,7 @@ def run_once(llm, prompts: list[list[int]], batch_size: int, max_tokens: int, sp
     params = [dataclasses.replace(base, structured_outputs=constraints[i % len(prompts)]) if constraints else base
               for i in range(n)]
     before = llm.get_metrics()
-    with cost_tap(_controller(llm)) as (tgt, drf):
+    with cost_tap(llm.spec_controller()) as (tgt, drf):
         t0 = time.perf_counter()
         outs = llm.generate(None, params, prompt_token_ids=reqs, speculative=speculative)
         secs = time.perf_counter() - t0
@@ -285,7 +279,7 @@ def run_offline(llm, prompts: list[list[int]], batch_sizes: list[int], max_token
                 (on if speculative else off).append(run)
                 bar.set_postfix(batch=b, spec="on" if speculative else "off", tok_s=f"{run.tok_s:.1f}")
                 bar.update(1)
-        out.append(summarize(b, off, on, _controller(llm)))
+        out.append(summarize(b, off, on, llm.spec_controller()))
     bar.close()
     return out
 
@@ -506,7 +500,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
           f"max_tokens {args.max_tokens}, median of {args.repeats}")
     machine = llm.engine.platform.describe()
     print(f"machine: {machine.get('cpu_class') or machine.get('gpu_name', machine['device'])}; compute dtype "
-          f"{str(llm.engine.runner.dtype).removeprefix('torch.')}, torch threads {machine['torch_threads']}")
+          f"{str(llm.target_model().dtype).removeprefix('torch.')}, torch threads {machine['torch_threads']}")
     b1 = next((b for b in batches if b["batch_size"] == 1), None)
     ref = run_once(llm, prompts, 1, args.max_tokens, False, args.ignore_eos).outputs if peers else []
     if "llama.cpp" in peers:

@@ -100,6 +100,22 @@ class StepCost:
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
+def catch_up_slope(samples: Sequence[tuple[int, float]]) -> float:
+    """Seconds per token of (tokens, seconds) samples: the least-squares slope where the token counts spread
+    (at least a 2x range), else the mean seconds per token. A slope that noise makes non-positive gives the
+    cheapest sample's seconds per token instead (the largest call's: fixed cost included, an upper bound)."""
+    if not samples:
+        return 0.0
+    xs = [float(t) for t, _ in samples]
+    ys = [s for _, s in samples]
+    if len(samples) >= 3 and max(xs) >= 2 * min(xs):
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+        return slope if slope > 0 else min(y / x for x, y in zip(xs, ys))
+    return sum(ys) / sum(xs)
+
+
 def gains_over_prior(counts: Acceptance | None, prior: Sequence[float], weight: float) -> list[float]:
     """m_j = c_1 ... c_j for each position j of ``prior``, where c_j = (accepted_j + weight * prior_j) /
     (tried_j + weight): a position's decayed counts over its prior (the prior alone where not counted)."""
@@ -153,6 +169,7 @@ class SpecController:
         self._tree_pred = 0.0
         self._tree_acc = 0.0
         self._catch_up = 0.0  # seconds per token a draft spends catching up on a backlog (0: unmeasured)
+        self._catch_samples: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of catch-up calls
 
     @property
     def global_rates(self) -> list[float]:
@@ -212,9 +229,12 @@ class SpecController:
             observer("target", num_tokens, seconds)
 
     def record_catch_up(self, tokens: int, seconds: float) -> None:
-        """A draft call that caught up on ``tokens`` of backlog took ``seconds``: the cost per backlog token."""
-        per = seconds / tokens
-        self._catch_up = per if self._catch_up == 0.0 else 0.9 * self._catch_up + 0.1 * per
+        """A draft call that caught up on ``tokens`` of backlog took ``seconds``. The price of a backlog token
+        is the slope of seconds over tokens across recent calls: a call also pays a fixed cost (reading the
+        draft's weights once) that a short backlog would otherwise spread over a few tokens, pricing a
+        thousand-token prompt as a thousand decode steps. Until the calls differ in size, seconds / tokens."""
+        self._catch_samples.append((tokens, seconds))
+        self._catch_up = catch_up_slope(self._catch_samples)
 
     def record_draft(self, num_reqs: int, seconds_per_step: float) -> None:
         self.draft_cost.add(num_reqs, seconds_per_step)
