@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -11,6 +12,11 @@ from specserve.config import EngineConfig
 from specserve.engine.engine import Engine
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specserve.model.llama import LlamaModel
+    from specserve.spec_decode.controller import SpecController
+    from specserve.worker.features import FeatureSink
 
 
 class LLM:
@@ -66,6 +72,37 @@ class LLM:
 
     def get_metrics(self) -> dict[str, Any]:
         return self.engine.get_metrics()
+
+    # -- for the tools (bench, distill): speculation's controller, the target model --------------------------
+    def spec_controller(self) -> SpecController | None:
+        """The speculation controller now in use (its acceptance, measured costs and ``cost_observers``);
+        None without speculation."""
+        drafter = self.engine.runner.drafter
+        return drafter.controller if drafter is not None else None
+
+    def reset_spec_controller(self, adaptive: bool | None = None, max_k: int | None = None) -> None:
+        """Replace the controller with a fresh one (no fitted costs, no acceptance history): adaptive or a fixed
+        k (None: as before), drafting at most ``max_k`` (None: ``--num-speculative-tokens``, the most allowed).
+        Lets one loaded engine compare settings. Nothing without speculation."""
+        drafter = self.engine.runner.drafter
+        if drafter is not None:
+            drafter.reset_controller(adaptive=adaptive, max_k=max_k)
+
+    def target_model(self) -> LlamaModel:
+        """The target model (rank 0's shard under tensor parallelism)."""
+        return self.engine.runner.model
+
+    def set_feature_layers(self, layers: tuple[int, ...] | None) -> None:
+        """The target layers (1-based) whose outputs make the features ``observe_features`` hands out (None:
+        the last layer's)."""
+        self.engine.runner.set_feature_layers(layers)
+
+    @contextlib.contextmanager
+    def observe_features(self, sink: FeatureSink) -> Iterator[None]:
+        """For the duration: every step hands the target's features of each row to ``sink`` (what ``specserve
+        distill`` trains a head on)."""
+        with self.engine.runner.observe_features(sink):
+            yield
 
     def close(self) -> None:
         """Release everything now (class docstring); idempotent. The LLM cannot generate afterwards."""

@@ -24,11 +24,10 @@ def acceptance_by_k(target: str | None, method: str, draft_dir: str, prompts: li
     ref = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts, speculative=False)]
     off_s = time.perf_counter() - t0
     num = sum(len(r) for r in ref)
-    drafter = llm.engine.runner.drafter
-    assert drafter is not None
+    assert llm.spec_controller() is not None
     rows = []
     for k in ks:
-        drafter.reset_controller(adaptive=False, max_k=k)  # every step drafts exactly min(k, room left) tokens
+        llm.reset_spec_controller(adaptive=False, max_k=k)  # every step drafts exactly min(k, room left) tokens
         before = llm.get_metrics()["speculative"]
         t0 = time.perf_counter()
         out = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts)]
