@@ -22,7 +22,7 @@ Measured, per format, at each batch size B (default 1, 8, 32), median over ``--i
 - ``target_prenorm``: the same with the EAGLE head's features returned (what a head configuration pays);
 - ``draft``: one draft-model step (q = 1 per row, the full-vocabulary LM head, argmax), as ``Drafter``
   runs it;
-- ``head`` / ``head_first``: one EAGLE head step (``worker.features.eagle_step``, the draft-vocabulary logits and
+- ``head`` / ``head_first``: one EAGLE head step (``worker.draft_steps.eagle_steps``' ``vocab_logits`` and the
   argmax of the greedy chain) reading its own predicted feature (drafts 2..k) / the target's three layers
   (the first draft).
 Each figure has ``wall_ms`` (host time of the step, the device synchronized before and after: what the serving
@@ -295,7 +295,7 @@ def head_call(step, toks: list[list[int]], feats: torch.Tensor, starts: list[int
               ) -> Callable[[], torch.Tensor]:  # noqa: ANN001
     """One EAGLE head step as ``EagleProposer``'s greedy chain runs it (draft-vocabulary logits, argmax)."""
     def call() -> torch.Tensor:
-        (logits, ids), _ = step(toks, feats, starts, blocks, None, -1)
+        (logits, ids), _ = step(toks, feats, starts, blocks)
         best = logits.argmax(-1)
         return best if ids is None else ids[best]
     return call
@@ -304,7 +304,7 @@ def head_call(step, toks: list[list[int]], feats: torch.Tensor, starts: list[int
 def measure_format(quantization: str, sh: dict[str, Any], platform, args) -> dict[str, Any]:  # noqa: ANN001
     from specserve.model.quant import weight_bytes
     from specserve.platform import resolve_dtype, resolve_kv_dtype
-    from specserve.worker.features import eagle_step
+    from specserve.worker.draft_steps import eagle_steps
     from specserve.worker.graphs import GraphPlan, ModelStep, select_capture
 
     block_size, ctx, k_max = 16, args.context, args.max_k
@@ -331,7 +331,7 @@ def measure_format(quantization: str, sh: dict[str, Any], platform, args) -> dic
     target_step = ModelStep(target, kv(target, target.arch.num_layers), block_size, platform.device, plan=plan)
     draft_step = ModelStep(draft, kv(draft, draft.arch.num_layers), block_size, platform.device, plan=plan)
     head_kv = kv(head, 1)[0]
-    head_step = eagle_step(target, head, head_kv, block_size, platform.device)
+    head_step = eagle_steps(target, head, head_kv, block_size, platform.device).vocab_logits
     time_it = timer(platform, args.iters, args.warmup)
     vocab = target.arch.vocab_size
     h = target.arch.hidden_size
