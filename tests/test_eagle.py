@@ -242,8 +242,8 @@ def test_greedy_fast_path_drafts_what_the_sampler_drafts(tiny, reference, kind, 
         fast = []
         original, chains = proposer.propose, proposer._greedy_chains
 
-        def record(reqs, original=original, seen=seen):
-            drafts = original(reqs)
+        def record(reqs, *rest, original=original, seen=seen):
+            drafts = original(reqs, *rest)
             seen.extend((list(r.token_ids), d.token_ids) for r, d in zip(reqs, drafts, strict=True))
             return drafts
 
