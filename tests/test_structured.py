@@ -111,6 +111,7 @@ def test_draft_sampler_drafts_what_the_grammar_allows(compiler):
     from types import SimpleNamespace
 
     from specserve.spec_decode.draft_model import DraftSampler
+    from specserve.spec_decode.state import SpecState
 
     logits = torch.zeros(1, V)
     logits[0, ord("z")] = 9.0  # the draft's favourite, forbidden everywhere
@@ -120,7 +121,8 @@ def test_draft_sampler_drafts_what_the_grammar_allows(compiler):
 
     def req(temperature: float) -> SimpleNamespace:
         g = GrammarState(compiler.compile(SO(choice=("ab", "xy"))))
-        return SimpleNamespace(req_id="r", state=state(SamplingParams(temperature=temperature, seed=1), grammar=g))
+        return SimpleNamespace(req_id="r", state=state(SamplingParams(temperature=temperature, seed=1), grammar=g),
+                               spec=SpecState())
 
     masked, raw = DraftSampler(V, grammar=True), DraftSampler(V, grammar=False)
     assert masked.sample(logits, [req(0.0)], [[]])[0] == [ord("a")]  # "x" scores 0: "a" is the best start
