@@ -258,6 +258,11 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = field(default=None, metadata=flag(
         "eagle with --speculative-eagle-topk > 1: the most tree nodes verified per step (default 2k + 2)",
         kw="speculative_num_draft_tokens"))
+    # A draft model's weights. None: 4-bit where the target runs on quantized kernels (a draft only proposes:
+    # its precision moves acceptance a little, its bytes move every draft step), else as the target's.
+    quantization: str | None = field(default=None, metadata=flag(
+        "the draft model's weights: auto, none, int8 or int4 (default: int4 where the target runs quantized, "
+        "else as the target)", kw="speculative_quantization", choices=QUANTIZATIONS))
     # Tensor parallel: the draft model on rank 0 alone (1) or split like the target (its size; None = that).
     draft_tensor_parallel_size: int | None = field(default=None, metadata=flag(
         "the draft model's tensor-parallel size: 1 (on rank 0 alone) or the target's (default)",
@@ -283,6 +288,9 @@ class SpeculativeConfig:
                              f"not {self.method}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError("draft_layers must be >= 1")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                             f"{self.quantization!r}")
         if self.suffix_cache_tokens < 0:
             raise ValueError("suffix_cache_tokens must be >= 0")
         if self.draft_tensor_parallel_size is not None and self.draft_tensor_parallel_size < 1:

@@ -6,7 +6,7 @@ Per batch size B: the scheduler's ``max_num_seqs`` is set to B and ``max(B, num_
 run (prompts cycled when B is larger); the prefix cache is reset before every measured run; a short
 warm-up is excluded; off/on runs are interleaved (the order alternates per repeat) and medians are taken.
 
-Next to the measured ratio we print what the cost model of docs/speculation.md predicts from the *measured*
+Next to the measured ratio we print what the cost model of docs/speculative_decoding.md predicts from the *measured*
 acceptance and costs, using ``expected_tokens`` / ``ideal_speedup`` of ``specserve.spec_decode.controller``.
 """
 

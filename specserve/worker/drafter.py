@@ -91,12 +91,14 @@ class Drafter:
     def _load_draft_model(self) -> LlamaModel | EagleHead | None:
         spec_config, arch = self.spec_config, self.target.arch
         if spec_config.method == "draft":
-            ckpt = load_checkpoint(spec_config.model or "", keep_quantized=self.config.model.quantization != "none")
+            mode = spec_config.quantization or ("int4" if getattr(self.target, "linear", None) is packed_linear
+                                                else self.config.model.quantization)
+            ckpt = load_checkpoint(spec_config.model or "", keep_quantized=mode != "none")
             check_draft_vocabulary(spec_config.model or "", arch, ckpt.arch)
             tp = self.target.tp
             if tp is not None and self.config.draft_tensor_parallel_size > 1:
-                return self.build(ckpt, TensorParallel.create(ckpt.arch, tp.comm))
-            return self.build(ckpt)
+                return self.build(ckpt, TensorParallel.create(ckpt.arch, tp.comm), quantization=mode)
+            return self.build(ckpt, quantization=mode)
         if spec_config.method == "eagle":
             head = load_eagle_head(spec_config.model or "", arch, self.target.lm_head_weight, self.dtype,
                                    self.platform.device, make_backend(self.platform.attention_backend),

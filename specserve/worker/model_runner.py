@@ -152,9 +152,11 @@ class ModelRunner:
         self.embed = self.mirror.wrap("embed", self._embed)
 
     # -- start-up -------------------------------------------------------------------------------------------
-    def _build(self, ckpt: Checkpoint, tp: TensorParallel | None = None) -> LlamaModel:
-        return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64, self.config.model.quantization,
-                           tp)
+    def _build(self, ckpt: Checkpoint, tp: TensorParallel | None = None, quantization: str | None = None
+               ) -> LlamaModel:
+        """A model built as the target is; ``quantization`` overrides the target's mode (a draft model's)."""
+        return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64,
+                           quantization or self.config.model.quantization, tp)
 
     def _drafts_here(self) -> bool:
         """Whether this rank needs a drafter: always on rank 0; on a follower only for mirrored draft calls."""
