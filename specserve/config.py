@@ -42,7 +42,7 @@ def flag_type(f: Field[Any]) -> type:
 @dataclass(frozen=True)
 class ModelArch:
     """Architecture hyper-parameters of a decoder-only transformer. The families (``model/families/``) map
-    their checkpoints' configs onto these fields; the layer (``model/llama.py``) is built from them."""
+    their checkpoints' configs onto these fields; the layer (``model/decoder.py``) is built from them."""
 
     architecture: str  # the family's name: "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" | "qwen3_moe" | ...
     vocab_size: int

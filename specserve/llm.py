@@ -14,7 +14,7 @@ from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from specserve.model.llama import LlamaModel
+    from specserve.model.decoder import DecoderModel
     from specserve.spec_decode.controller import SpecController
     from specserve.worker.features import FeatureSink
 
@@ -88,7 +88,7 @@ class LLM:
         if drafter is not None:
             drafter.reset_controller(adaptive=adaptive, max_k=max_k)
 
-    def target_model(self) -> LlamaModel:
+    def target_model(self) -> DecoderModel:
         """The target model (rank 0's shard under tensor parallelism)."""
         return self.engine.runner.model
 

@@ -6,7 +6,7 @@ import torch
 
 from specserve.config import ModelArch
 from specserve.model.attention import TorchAttention, build_metadata
-from specserve.model.llama import LlamaModel
+from specserve.model.decoder import DecoderModel
 
 
 def tiny_hf_model(family: str = "llama", seed: int = 0, layers: int = 2, vocab: int = 256, **over):
@@ -60,14 +60,14 @@ def arch_of(hf_model, family: str) -> ModelArch:
     )
 
 
-def our_model(hf_model, family: str) -> LlamaModel:
+def our_model(hf_model, family: str) -> DecoderModel:
     arch = arch_of(hf_model, family)
-    m = LlamaModel(arch, torch.float32, torch.device("cpu"), TorchAttention(), 1024)
+    m = DecoderModel(arch, torch.float32, torch.device("cpu"), TorchAttention(), 1024)
     m.load_weights({k: v for k, v in hf_model.state_dict().items()})
     return m
 
 
-def run_chunks(model: LlamaModel, tokens: list[int], chunks: list[int], block_size: int = 4,
+def run_chunks(model: DecoderModel, tokens: list[int], chunks: list[int], block_size: int = 4,
                num_blocks: int = 64) -> torch.Tensor:
     """Feed ``tokens`` in chunks through a paged cache (shuffled block ids); logits at every position."""
     arch = model.arch
@@ -111,7 +111,7 @@ def save_tiny_checkpoint(path, family: str = "llama", seed: int = 0, layers: int
     return str(path)
 
 
-def save_tiny_eagle_head(target: LlamaModel, path: str, gen: torch.Generator,
+def save_tiny_eagle_head(target: DecoderModel, path: str, gen: torch.Generator,
                          feature_layers: tuple[int, ...] | None = None) -> str:
     """An EAGLE head for ``target``: its first layer over fc([embedding ; features]) = embedding + 0.3 R
     features, input norms at the embedding's scale: it agrees with the target often (drafts get accepted)

@@ -22,9 +22,9 @@ from specserve import SamplingParams
 from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.distill import dense
 from specserve.llm import LLM
+from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleConfig, EagleHead, save_eagle_head
 from specserve.model.kernels import load_cpu_kernels
-from specserve.model.llama import LlamaModel
 from specserve.model.loader import load_checkpoint
 from specserve.model.quant import CpuQuantWeight
 from specserve.platform import detect
@@ -47,9 +47,9 @@ def _one_thread():
         os.environ["SPECSERVE_NUM_THREADS"] = old
 
 
-def _target_model(path: str) -> LlamaModel:
+def _target_model(path: str) -> DecoderModel:
     ck = load_checkpoint(path)
-    m = LlamaModel(ck.arch, torch.float32, torch.device("cpu"), None, 1024)  # type: ignore[arg-type]
+    m = DecoderModel(ck.arch, torch.float32, torch.device("cpu"), None, 1024)  # type: ignore[arg-type]
     m.load_weights(ck.state_dict)
     return m
 
@@ -344,7 +344,7 @@ def test_head_saved_without_input_norms_still_loads(tiny, reference, tmp_path):
     assert _greedy(llm) == reference
 
 
-def _dense_logits(model: LlamaModel, head: EagleHead, tokens: list[int], drafts: list[int]) -> list[torch.Tensor]:
+def _dense_logits(model: DecoderModel, head: EagleHead, tokens: list[int], drafts: list[int]) -> list[torch.Tensor]:
     """Logits behind each draft, recomputed densely: entries 0 .. L-1 read the target's features (teacher
     forcing), each later entry (draft j, the head's previous prediction) is appended and the whole causal
     sequence re-run -- what the engine computes incrementally through the head's paged KV."""

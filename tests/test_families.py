@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from specserve.config import CheckpointError
 from specserve.model.attention import TorchAttention, build_metadata
-from specserve.model.llama import LlamaModel
+from specserve.model.decoder import DecoderModel
 from specserve.model.loader import load_checkpoint, read_arch
 
 FAMILIES = ["gemma3", "qwen3_moe", "mixtral", "olmoe"]
@@ -33,9 +33,9 @@ def hf_model(family: str, layers: int = 3, **over):
     return model
 
 
-def ours(path: str) -> LlamaModel:
+def ours(path: str) -> DecoderModel:
     ckpt = load_checkpoint(path)
-    model = LlamaModel(ckpt.arch, torch.float32, torch.device("cpu"), TorchAttention(), 512)
+    model = DecoderModel(ckpt.arch, torch.float32, torch.device("cpu"), TorchAttention(), 512)
     model.load_weights(ckpt.state_dict)
     return model
 
@@ -49,7 +49,7 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].float()
 
 
-def greedy(model: LlamaModel, tokens: list[int], n: int, block_size: int = 4) -> list[int]:
+def greedy(model: DecoderModel, tokens: list[int], n: int, block_size: int = 4) -> list[int]:
     """n greedy tokens through the paged cache: prefill, then one decode step per token."""
     kv = [torch.zeros(model.kv_cache_shape(64, block_size)) for _ in range(model.arch.num_layers)]
     table = list(range(64))
@@ -65,7 +65,7 @@ def greedy(model: LlamaModel, tokens: list[int], n: int, block_size: int = 4) ->
     return out
 
 
-def assert_greedy_matches_generate(hf, model: LlamaModel, tokens: list[int], n: int = 64) -> None:
+def assert_greedy_matches_generate(hf, model: DecoderModel, tokens: list[int], n: int = 64) -> None:
     with torch.no_grad():
         ref = hf.generate(torch.tensor([tokens]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(tokens):]
     got = greedy(model, tokens, n)

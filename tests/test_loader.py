@@ -140,7 +140,7 @@ def gguf_name(hf: str) -> str:
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py LlamaModel.permute: HF rotate-half layout -> llama.cpp's interleaved pairs."""
+    """convert_hf_to_gguf.py DecoderModel.permute: HF rotate-half layout -> llama.cpp's interleaved pairs."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -209,7 +209,7 @@ def test_gguf_llama3_rope_freqs(tmp_path):
     """llama.cpp stores Llama 3 rope scaling as per-frequency divisors; we recover HF's llama3 dict."""
     theta, dim, factor, old = 500000.0, 16, 32.0, 8192
     factors = []
-    for freq in 1.0 / theta ** (np.arange(0, dim, 2) / dim):  # convert_hf_to_gguf.py LlamaModel
+    for freq in 1.0 / theta ** (np.arange(0, dim, 2) / dim):  # convert_hf_to_gguf.py DecoderModel
         wavelen = 2 * math.pi / freq
         if wavelen < old / 4.0:
             factors.append(1.0)

@@ -26,11 +26,11 @@ def test_llama3_rope_scaling_matches_hf():
     from dataclasses import replace
 
     from specserve.model.attention import TorchAttention
-    from specserve.model.llama import LlamaModel
+    from specserve.model.decoder import DecoderModel
     from tests.helpers import arch_of
 
     arch = replace(arch_of(hf, "llama"), rope_scaling=scaling)
-    ours = LlamaModel(arch, torch.float32, torch.device("cpu"), TorchAttention(), 1024)
+    ours = DecoderModel(arch, torch.float32, torch.device("cpu"), TorchAttention(), 1024)
     ours.load_weights(hf.state_dict())
     tokens = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
@@ -42,13 +42,13 @@ def test_llama3_rope_scaling_matches_hf():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_saved_checkpoint_through_loader_matches_hf(tmp_path, family):
     from specserve.model.attention import TorchAttention
-    from specserve.model.llama import LlamaModel
+    from specserve.model.decoder import DecoderModel
     from specserve.model.loader import load_checkpoint
 
     hf = tiny_hf_model(family, seed=5, tie_word_embeddings=family == "llama")
     hf.save_pretrained(tmp_path)
     ckpt = load_checkpoint(str(tmp_path))
-    ours = LlamaModel(ckpt.arch, torch.float32, torch.device("cpu"), TorchAttention(), 1024)
+    ours = DecoderModel(ckpt.arch, torch.float32, torch.device("cpu"), TorchAttention(), 1024)
     ours.load_weights(ckpt.state_dict)
     tokens = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():

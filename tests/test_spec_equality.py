@@ -27,8 +27,8 @@ import torch
 from specserve import SamplingParams
 from specserve.llm import LLM
 from specserve.model.attention import build_metadata
+from specserve.model.decoder import DecoderModel
 from specserve.model.kernels import load_cpu_kernels
-from specserve.model.llama import LlamaModel
 from specserve.platform import bf16_rows_invariant, cpu_has_native_bf16, detect
 from specserve.sample.sampler import RequestSamplingState, process_logits
 from specserve.spec_decode.controller import SpecController
@@ -196,7 +196,7 @@ def run(tiny: dict[str, Tiny], family: str, bs: int, method: str | None = None, 
 
 
 # -- the comparison, with the near-tie rule --------------------------------------------------------------------
-def last_logits(model: LlamaModel, tokens: list[int], block_size: int = 16) -> torch.Tensor:
+def last_logits(model: DecoderModel, tokens: list[int], block_size: int = 16) -> torch.Tensor:
     """The model's logits after ``tokens`` [V], from one fresh single-request forward."""
     n = len(tokens)
     num_blocks = -(-n // block_size)
@@ -208,7 +208,7 @@ def last_logits(model: LlamaModel, tokens: list[int], block_size: int = 16) -> t
 
 
 def assert_same(label: str, prompts: list[list[int]], ref: list[list[int]], out: list[list[int]],
-                model: LlamaModel, params: SamplingParams | None = None, near_tie: float = NEAR_TIE) -> int:
+                model: DecoderModel, params: SamplingParams | None = None, near_tie: float = NEAR_TIE) -> int:
     """Token-for-token equality, except divergences at a reference near-tie (top-2 logits within
     ``near_tie``; counted, printed). Returns the number of near-ties. ``params``: greedy params with penalties
     (the recomputed logits get them too)."""
@@ -764,7 +764,7 @@ def demo_bit_exact(method: str, dtype: str) -> None:
 
 
 # -- sampling on a mixture-of-experts target: the engine's draws follow the target's distribution ----------------
-def top_k_target_probs(model: LlamaModel, prompt: list[int], top_k: int, positions: int = 3) -> list[torch.Tensor]:
+def top_k_target_probs(model: DecoderModel, prompt: list[int], top_k: int, positions: int = 3) -> list[torch.Tensor]:
     """The target's distributions at temperature 1 with top-k of the first ``positions`` sampled tokens: p(t0),
     then each marginal p(t_j) = sum over t_0..t_(j-1) of their probabilities times p(t_j | t_0..t_(j-1))."""
     def top_k_probs(tokens: list[int]) -> torch.Tensor:

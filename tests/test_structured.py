@@ -12,7 +12,7 @@ import torch
 
 from specserve import SamplingParams
 from specserve.llm import LLM
-from specserve.model.llama import LlamaModel
+from specserve.model.decoder import DecoderModel
 from specserve.model.loader import load_checkpoint
 from specserve.sample.grammar import GrammarCompiler, GrammarState, bitmask_words
 from specserve.sample.rejection_sampler import verify
@@ -245,7 +245,7 @@ def paths(tmp_path_factory):
     target = save_tiny_checkpoint(root / "target", seed=3, layers=2)
     draft = save_tiny_checkpoint(root / "draft", seed=4, layers=1)
     ckpt = load_checkpoint(target)
-    model = LlamaModel(ckpt.arch, torch.float32, torch.device("cpu"), None, 1024)  # type: ignore[arg-type]
+    model = DecoderModel(ckpt.arch, torch.float32, torch.device("cpu"), None, 1024)  # type: ignore[arg-type]
     model.load_weights(ckpt.state_dict)
     head = save_tiny_eagle_head(model, str(root / "head"), torch.Generator().manual_seed(0))
     return target, draft, head

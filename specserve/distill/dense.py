@@ -1,6 +1,6 @@
 """Dense, differentiable forwards for training drafts: whole padded sequences [B, S], causal SDPA, no KV cache.
 
-They read the same parameters as the serving forwards (``LlamaModel``, ``EagleHead``), so what is trained is
+They read the same parameters as the serving forwards (``DecoderModel``, ``EagleHead``), so what is trained is
 exactly what is served; ``tests/test_eagle.py`` checks the head's dense forward against the engine's drafts.
 Right padding is harmless under a causal mask: real positions never attend to later (padded) ones.
 """
@@ -12,9 +12,9 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
+from specserve.model.decoder import Attention, DecoderLayer, DecoderModel
 from specserve.model.eagle_head import EagleHead
 from specserve.model.layers import RotaryEmbedding
-from specserve.model.llama import Attention, DecoderLayer, LlamaModel
 
 
 def qkv(attn: Attention, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor
@@ -56,7 +56,7 @@ def layer_forward(layer: DecoderLayer, x: torch.Tensor, rope: RotaryEmbedding, p
     return h + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
 
 
-def model_features(model: LlamaModel, ids: torch.Tensor, num_layers: int | None = None,
+def model_features(model: DecoderModel, ids: torch.Tensor, num_layers: int | None = None,
                    taps: tuple[int, ...] | None = None) -> torch.Tensor:
     """ids [B, S] -> the last (or ``num_layers``-th) layer's output before the final norm [B, S, hidden]; with
     ``taps``, the outputs of those layers (1-based) concatenated [B, S, len(taps) * hidden]."""
@@ -70,7 +70,7 @@ def model_features(model: LlamaModel, ids: torch.Tensor, num_layers: int | None 
     return torch.cat(kept, dim=-1) if taps else h
 
 
-def logits(model: LlamaModel, features: torch.Tensor) -> torch.Tensor:
+def logits(model: DecoderModel, features: torch.Tensor) -> torch.Tensor:
     """Pre-norm features [..., hidden] -> [..., vocab] through the model's final norm and LM head."""
     return F.linear(model.norm(features), model.lm_head).float()
 

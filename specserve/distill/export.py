@@ -8,13 +8,13 @@ from typing import Any, cast
 
 import torch
 
-from specserve.model.llama import DecoderLayer, LlamaModel
+from specserve.model.decoder import DecoderLayer, DecoderModel
 
 _HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
-def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """HF parameter names, q/k/v and gate/up unfused (the inverse of ``LlamaModel.load_weights``)."""
+def hf_state_dict(model: DecoderModel) -> dict[str, torch.Tensor]:
+    """HF parameter names, q/k/v and gate/up unfused (the inverse of ``DecoderModel.load_weights``)."""
     sd = {"model.embed_tokens.weight": model.embed.detach(), "model.norm.weight": model.norm.weight.detach()}
     if not model.arch.tie_word_embeddings:
         sd["lm_head.weight"] = model.lm_head.detach()
@@ -34,7 +34,7 @@ def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     return sd
 
 
-def save_hf_model(model: LlamaModel, out_dir: str, hf_tokenizer: Any, extra: dict[str, Any] | None = None,
+def save_hf_model(model: DecoderModel, out_dir: str, hf_tokenizer: Any, extra: dict[str, Any] | None = None,
                   dtype: torch.dtype = torch.float16) -> None:
     from safetensors.torch import save_file
 

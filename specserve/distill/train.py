@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from specserve.distill import dense
 from specserve.distill.data import Sample
+from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleConfig, EagleHead
-from specserve.model.llama import LlamaModel
 
 
 @dataclass
@@ -124,7 +124,7 @@ def collate(samples: list[Sample], idx: list[int], device: torch.device, top_k: 
                  vocab.to(device), local.to(device), torch.softmax(lp, dim=-1).to(device))
 
 
-def soft_ce(model: LlamaModel, features: torch.Tensor, b: Batch, rows: torch.Tensor | None = None
+def soft_ce(model: DecoderModel, features: torch.Tensor, b: Batch, rows: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(soft cross-entropy vs the target's top-K, top-1 agreement) of pre-norm features [N, H] through
     ``model``'s final norm and LM head restricted to ``b.vocab``; ``rows`` selects a subset of the targets."""
@@ -156,7 +156,7 @@ class HeadTask:
 
     kind = "head"
 
-    def __init__(self, target: LlamaModel, cfg: TrainConfig, feature_rms: float, name: str = "",
+    def __init__(self, target: DecoderModel, cfg: TrainConfig, feature_rms: float, name: str = "",
                  feature_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None) -> None:
         self.target, self.cfg, self.scale = target, cfg, feature_rms
         self.head = EagleHead(EagleConfig.from_target(target.arch, name, feature_layers, intermediate_size),
@@ -212,9 +212,9 @@ class DraftModelTask:
 
     kind = "model"
 
-    def __init__(self, target: LlamaModel, num_layers: int) -> None:
+    def __init__(self, target: DecoderModel, num_layers: int) -> None:
         self.target = target
-        self.model = LlamaModel(target.arch.with_layers(num_layers), torch.float32, target.device, target.backend,
+        self.model = DecoderModel(target.arch.with_layers(num_layers), torch.float32, target.device, target.backend,
                                 target.arch.max_position_embeddings + 64)
         with torch.no_grad():
             self.model.embed.copy_(target.embedding_table())

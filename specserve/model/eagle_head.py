@@ -25,8 +25,8 @@ from torch import nn
 
 from specserve.config import CheckpointError, ModelArch, SpecserveError
 from specserve.model.attention import AttentionBackend, AttentionMetadata
+from specserve.model.decoder import DecoderLayer
 from specserve.model.layers import RMSNorm, RotaryEmbedding
-from specserve.model.llama import DecoderLayer
 from specserve.model.ops import TorchOps
 from specserve.model.quant import GROUP, CpuQuantWeight, PackedWeight, packed_linear, quantize
 
@@ -127,7 +127,7 @@ class EagleHead(nn.Module):
     def draft_logits(self, normed: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor]
                      ) -> torch.Tensor:
         """[B, hidden] normed prediction -> [B, vocab] float logits; -inf outside the draft vocabulary.
-        ``target_logits``: the target's LM head (``LlamaModel.compute_logits``), for a full-vocabulary head."""
+        ``target_logits``: the target's LM head (``DecoderModel.compute_logits``), for a full-vocabulary head."""
         reduced = self.reduced_logits(normed)
         if reduced is None:
             return target_logits(normed)

@@ -19,7 +19,7 @@ from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 if TYPE_CHECKING:
     from specserve.model.attention import AttentionBackend, AttentionMetadata
-    from specserve.model.llama import DecoderLayer
+    from specserve.model.decoder import DecoderLayer
 
 
 class TorchOps:

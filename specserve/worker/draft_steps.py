@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleHead
-from specserve.model.llama import LlamaModel
 from specserve.spec_decode.draft_model import DraftStep
 from specserve.spec_decode.eagle import EagleSteps
 from specserve.worker.graphs import GraphPlan, ModelStep
@@ -16,7 +16,7 @@ from specserve.worker.input_batch import RowTree, flat_batch
 Feats = list[torch.Tensor] | torch.Tensor  # per request [n_i, feature size], or one [B, feature size]
 
 
-def logits_step(model: LlamaModel, kv: list[torch.Tensor], block_size: int, device: torch.device,
+def logits_step(model: DecoderModel, kv: list[torch.Tensor], block_size: int, device: torch.device,
                 layers: int | None, plan: GraphPlan | None) -> DraftStep:
     """A draft model's forward (or the target's first ``layers``: layer skip): [B, vocab] logits at each
     request's last fed token."""
@@ -27,7 +27,7 @@ def logits_step(model: LlamaModel, kv: list[torch.Tensor], block_size: int, devi
     return step
 
 
-def eagle_steps(target: LlamaModel, head: EagleHead, kv: torch.Tensor, block_size: int,
+def eagle_steps(target: DecoderModel, head: EagleHead, kv: torch.Tensor, block_size: int,
                 device: torch.device) -> EagleSteps:
     """The head's forward over a flat batch of entries, with the target's embedding, final norm and LM head,
     read three ways (``EagleSteps``). Neither ``vocab_logits`` nor ``top`` builds [B, vocab] logits where the

@@ -21,8 +21,8 @@ import torch
 
 from specserve.config import EngineConfig, ModelArch, SpecserveError
 from specserve.model.attention import make_backend
+from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleHead, load_eagle_head
-from specserve.model.llama import LlamaModel
 from specserve.model.loader import load_checkpoint
 from specserve.model.quant import packed_linear
 from specserve.model.tensor_parallel import TensorParallel
@@ -40,8 +40,8 @@ from specserve.worker.graphs import GraphPlan
 from specserve.worker.mirror import Mirror
 
 # Builds a model the way the target was built (dtype, quantization, attention backend, kernels).
-ModelBuilder = Callable[..., LlamaModel]
-KvAllocator = Callable[[LlamaModel | EagleHead], list[torch.Tensor]]
+ModelBuilder = Callable[..., DecoderModel]
+KvAllocator = Callable[[DecoderModel | EagleHead], list[torch.Tensor]]
 
 
 def mirrors_draft_calls(config: EngineConfig) -> bool:
@@ -55,7 +55,7 @@ class Drafter:
     """Speculation on the worker. Start-up is two calls: the constructor loads the draft weights (the KV
     budget needs their size), ``start`` gets the KV tensors and the graph plan and builds the proposer."""
 
-    def __init__(self, config: EngineConfig, platform: Platform, dtype: torch.dtype, target: LlamaModel,
+    def __init__(self, config: EngineConfig, platform: Platform, dtype: torch.dtype, target: DecoderModel,
                  max_positions: int, build: ModelBuilder, mirror: Mirror | None = None) -> None:
         self.config = config
         # Tensor parallel (worker/tensor_parallel.py): model calls on sharded models are mirrored to the
@@ -67,7 +67,7 @@ class Drafter:
         self.target = target
         self.max_positions = max_positions
         self.build = build
-        self.model: LlamaModel | EagleHead | None = self._load_draft_model()
+        self.model: DecoderModel | EagleHead | None = self._load_draft_model()
         # Whether the proposer reads the target's features (the runner then hands each step's over).
         self.reads_features = isinstance(self.model, EagleHead)
         # Model drafts (a draft model or head reads the whole prompt before its first draft; layer skip runs
@@ -88,7 +88,7 @@ class Drafter:
         self._eagle: EagleProposer | None = None  # sizes its trees with the controller
 
     # -- start-up -------------------------------------------------------------------------------------------
-    def _load_draft_model(self) -> LlamaModel | EagleHead | None:
+    def _load_draft_model(self) -> DecoderModel | EagleHead | None:
         spec_config, arch = self.spec_config, self.target.arch
         if spec_config.method == "draft":
             mode = spec_config.quantization or ("int4" if getattr(self.target, "linear", None) is packed_linear
@@ -144,7 +144,7 @@ class Drafter:
     def _make_model_proposer(self, target_kv: list[torch.Tensor], block_size: int) -> Proposer:
         spec_config, arch, device = self.spec_config, self.target.arch, self.platform.device
         if spec_config.method == "draft":
-            assert isinstance(self.model, LlamaModel)
+            assert isinstance(self.model, DecoderModel)
             step = logits_step(self.model, self.kv_caches, block_size, device, None, self._plan)
             if self.model.tp is not None:
                 step = self.mirror.wrap("draft", step)

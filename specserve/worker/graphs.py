@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from specserve.model.attention import AttentionMetadata
-from specserve.model.llama import LlamaModel
+from specserve.model.decoder import DecoderModel
 from specserve.platform import Platform, staged
 from specserve.worker.input_batch import HostBatch, RowTree, batch_views, pack_batch, upload
 
@@ -184,7 +184,7 @@ class ModelStep:
     """One model's forward over a flat batch (the target step, or a draft step): a graph replay when the
     batch is uniform and fits a bucket, eager otherwise. Outputs are the caller's own tensors."""
 
-    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
+    def __init__(self, model: DecoderModel, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, num_layers: int | None = None, plan: GraphPlan | None = None) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
         self.num_layers = num_layers

@@ -20,8 +20,8 @@ import torch
 
 from specserve.config import EngineConfig, SpecserveError
 from specserve.model.attention import make_backend
+from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleHead
-from specserve.model.llama import LlamaModel
 from specserve.model.loader import Checkpoint
 from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear, quantizes, weight_bytes
@@ -86,12 +86,12 @@ class CachedRequest:
 
 
 def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int,
-                quantization: str = "none", tp: TensorParallel | None = None) -> LlamaModel:
+                quantization: str = "none", tp: TensorParallel | None = None) -> DecoderModel:
     """The model with its weights; with ``quantization`` (model/quant.py) its matmuls on packed weights;
     with ``tp`` one rank's slice of it."""
     packer = make_packer(quantization, platform.quant_kernels, ckpt.state_dict, platform.device, dtype,
                          platform.linear(dtype))
-    model = LlamaModel(ckpt.arch, dtype, platform.device, make_backend(platform.attention_backend),
+    model = DecoderModel(ckpt.arch, dtype, platform.device, make_backend(platform.attention_backend),
                        max_positions, platform.linear(dtype) if packer is None else packed_linear,
                        make_ops(platform.device, dtype, platform.attention_backend), platform.moe_kernel,
                        platform.linear(dtype), tp)
@@ -153,7 +153,7 @@ class ModelRunner:
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _build(self, ckpt: Checkpoint, tp: TensorParallel | None = None, quantization: str | None = None
-               ) -> LlamaModel:
+               ) -> DecoderModel:
         """A model built as the target is; ``quantization`` overrides the target's mode (a draft model's)."""
         return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64,
                            quantization or self.config.model.quantization, tp)
@@ -214,7 +214,7 @@ class ModelRunner:
         return GraphPlan(capture, batch_buckets(self.config.scheduler.max_num_seqs), k + 1, max_blocks,
                          scratch_block=self.num_blocks)
 
-    def _alloc_kv(self, model: LlamaModel | EagleHead) -> list[torch.Tensor]:
+    def _alloc_kv(self, model: DecoderModel | EagleHead) -> list[torch.Tensor]:
         num_blocks = self.num_blocks + (1 if self.graph_plan is not None else 0)
         shape = model.kv_cache_shape(num_blocks, self.block_size)
         # zeros, not empty: padded reads of unused slots must never see NaN/Inf garbage.

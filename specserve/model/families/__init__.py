@@ -10,7 +10,7 @@ A family is one file in this package that builds a ``Family`` and passes it to `
   conversion of the weights into the form the shared layer computes with (``hf_weights`` / ``gguf_weights``);
 - optionally its chat format, for checkpoints without a chat template.
 
-The layer itself is shared (``model/llama.py``): attention, gated MLP (SiLU or GeGLU), sparse MoE, norms and
+The layer itself is shared (``model/decoder.py``): attention, gated MLP (SiLU or GeGLU), sparse MoE, norms and
 rope are composed from ``ModelArch`` fields, so a family adds data, not a copy of the decoder.
 """
 

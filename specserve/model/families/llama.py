@@ -13,7 +13,7 @@ from specserve.model.quant import QuantizedTensor
 
 
 def _unpermute_qk(sd: StateDict, arch: ModelArch) -> None:
-    """Undo llama.cpp's rotary permutation of Llama q/k rows (convert_hf_to_gguf.py LlamaModel.permute)."""
+    """Undo llama.cpp's rotary permutation of Llama q/k rows (convert_hf_to_gguf.py DecoderModel.permute)."""
     for i in range(arch.num_layers):
         for proj, n_head in (("q_proj", arch.num_heads), ("k_proj", arch.num_kv_heads)):
             name = f"model.layers.{i}.self_attn.{proj}.weight"

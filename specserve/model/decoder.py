@@ -106,7 +106,7 @@ class DecoderLayer(nn.Module):
             if arch.sandwich_norms else None
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """``forward(input_ids, positions, kv_caches, meta) -> hidden`` over flat tokens; logits on request.
 
     With ``tp`` (``model/tensor_parallel.py``) the model is one rank's slice: its layers are built from the
@@ -240,7 +240,7 @@ class LlamaModel(nn.Module):
 
 
 class _WeightCopier:
-    """Copies a checkpoint's HF-named tensors into parameters (``LlamaModel.load_weights``): sharded for
+    """Copies a checkpoint's HF-named tensors into parameters (``DecoderModel.load_weights``): sharded for
     tensor parallelism, fused where the model keeps several projections in one matrix, packed by ``packer``
     where it quantizes, checked against the parameter's shape."""
 
