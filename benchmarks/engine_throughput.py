@@ -62,7 +62,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specserve.llm import LLM
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
 
     llm = LLM(None)
     path = default_model_path()

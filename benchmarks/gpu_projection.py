@@ -202,7 +202,7 @@ def random_state_dict(arch, device: torch.device, dtype: torch.dtype, seed: int)
 
 def build_llama(arch, platform, dtype: torch.dtype, quantization: str, seed: int):  # noqa: ANN001, ANN201
     """The engine's model (``worker.model_runner.build_model``) over random weights."""
-    from specserve.model.loader import Checkpoint
+    from specserve.model.checkpoint.loader import Checkpoint
     from specserve.worker.model_runner import build_model
 
     sd = random_state_dict(arch, platform.device, dtype, seed)

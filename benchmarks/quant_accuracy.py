@@ -65,7 +65,7 @@ def main() -> int:
     from specserve.tokenizer import Tokenizer
 
     configure_threads()
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
 
     tok = Tokenizer.from_checkpoint(args.model or default_model_path())
     prompts = [tok.apply_chat_template(item.messages) if item.messages else tok.encode(item.prompt or "")

@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
 
-    from specserve.model.loader import default_model_path, load_checkpoint
+    from specserve.model.checkpoint.loader import default_model_path, load_checkpoint
     from specserve.platform import configure_threads, cpu_class, cpu_has_native_bf16
 
     configure_threads()

@@ -204,7 +204,7 @@ def foreign_line(shares: list[float]) -> str:
 def llama_cpp_only(args: argparse.Namespace, thread_counts: list[int]) -> dict:
     """llama-bench alone on the model: tg and pp, one ``-r 1`` sample at a time (each gated like a round, with
     --quiet-wait / --max-foreign), ``--repeats`` kept samples each; medians."""
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
 
     exe = lcp.find_binary(lcp.BENCH, args.llama_cpp_dir)
     model = args.model or default_model_path()
@@ -244,7 +244,7 @@ def interleaved(args: argparse.Namespace, extra: list[str], thread_counts: list[
     from specserve.bench.offline import build_llm, run_once, select_prompts
     from specserve.datasets import load_dataset
     from specserve.engine_args import engine_kwargs
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
 
     model = args.model or default_model_path()
     bench_exe = lcp.find_binary(lcp.BENCH, args.llama_cpp_dir)
@@ -348,7 +348,7 @@ def served_round(args: argparse.Namespace, configs: dict[str, list[str]], server
 
 def served(args: argparse.Namespace, extra: list[str], thread_counts: list[int], out: str) -> dict:
     from specserve.datasets import load_dataset
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
 
     model = args.model or default_model_path()
     server_exe = lcp.find_binary(lcp.SERVER, args.llama_cpp_dir)
@@ -420,7 +420,7 @@ def main() -> int:
 
     from specserve.config import SpecserveError
     from specserve.cpu_isa import cpu_class
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
     from specserve.platform import available_cores
 
     thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [available_cores()]

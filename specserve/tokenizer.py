@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from specserve.config import CheckpointError
+from specserve.model.checkpoint.loader import default_model_path, read_arch
 from specserve.model.families import family
-from specserve.model.loader import default_model_path, read_arch
 
 # End-of-turn markers of common chat formats (ChatML, Llama 3, Phi, Gemma, GPT-2 style documents).
 _END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")

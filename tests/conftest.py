@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def demo_model_path() -> str:
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
 
     return default_model_path()
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve.config import CheckpointError
-from specserve.model.loader import load_checkpoint, read_arch
+from specserve.model.checkpoint.loader import load_checkpoint, read_arch
 
 EXAMPLES = int(os.environ.get("SPECSERVE_CKPT_FUZZ_EXAMPLES", "100"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=5000, database=None, derandomize=True,

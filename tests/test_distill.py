@@ -15,7 +15,7 @@ from specserve.config import SpecserveError
 from specserve.distill.data import Sample, load_samples, stdlib_code_chunks
 from specserve.distill.train import collate
 from specserve.llm import LLM
-from specserve.model.loader import load_checkpoint
+from specserve.model.checkpoint.loader import load_checkpoint
 from tests.helpers import save_tiny_checkpoint
 
 PROMPTS = ["hello world, this is a test", "The quick brown fox jumps over the lazy dog.",

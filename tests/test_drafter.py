@@ -98,7 +98,7 @@ def test_a_draft_model_reads_the_prompt_after_the_first_token(tmp_path, method):
 def _leak_configs(root: pathlib.Path) -> list[dict]:
     import torch
 
-    from specserve.model.loader import load_checkpoint
+    from specserve.model.checkpoint.loader import load_checkpoint
     from specserve.platform import detect
     from specserve.worker.model_runner import build_model
     from tests.helpers import save_tiny_eagle_head

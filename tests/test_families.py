@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from specserve.config import CheckpointError
 from specserve.model.attention import TorchAttention, build_metadata
+from specserve.model.checkpoint.loader import load_checkpoint, read_arch
 from specserve.model.decoder import DecoderModel
-from specserve.model.loader import load_checkpoint, read_arch
 
 FAMILIES = ["gemma3", "qwen3_moe", "mixtral", "olmoe"]
 TOL = 1e-4

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.model.loader import read_arch
+from specserve.model.checkpoint.loader import read_arch
 
 pytestmark = pytest.mark.slow
 

@@ -204,7 +204,7 @@ def test_gpu_memory_utilization_flag(capsys):
 
 
 def test_gpu_memory_utilization_sizes_kv_on_gpu(ckpt, monkeypatch):
-    from specserve.model.loader import load_checkpoint
+    from specserve.model.checkpoint.loader import load_checkpoint
     from specserve.worker.model_runner import ModelRunner
 
     free = 8 << 20

@@ -224,7 +224,7 @@ def test_speculative_model_from_the_hub(cache, tiny):
 @pytest.mark.parametrize("spec", ["./nope", "/nonexistent/model", "~/nope.gguf", "nope.gguf", "dir/file.gguf",
                                   "mymodel", "org/../x.gguf"])
 def test_a_local_looking_path_that_does_not_exist(cache, spec):
-    from specserve.model.loader import load_checkpoint
+    from specserve.model.checkpoint.loader import load_checkpoint
 
     assert parse_hub_id(spec) is None
     assert resolve_model(spec) == spec  # the loader says it is missing, in one line

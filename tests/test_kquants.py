@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.model.gguf_file import parse_gguf, read_gguf_tensor
+from specserve.model.checkpoint.gguf_file import parse_gguf, read_gguf_tensor
 from specserve.model.kernels import load_cpu_kernels
 from specserve.model.ops import _fused_args
 from specserve.model.quant import (
@@ -71,7 +71,7 @@ def write(path, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
 
 def kept(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[QuantizedTensor, torch.Tensor]:
     raw = random_blocks(qtype, n, k, seed)
-    from specserve.model.gguf_file import _decode
+    from specserve.model.checkpoint.gguf_file import _decode
 
     t = _decode(raw.reshape(-1), qtype, (n, k), "w", "mem", keep_quantized=True)
     assert isinstance(t, QuantizedTensor)

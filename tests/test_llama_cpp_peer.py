@@ -325,7 +325,7 @@ def test_real_llama_cpp_on_demo_gguf():
         bench, server = lcp.find_binary(lcp.BENCH), lcp.find_binary(lcp.SERVER)
     except SpecserveError as e:
         pytest.skip(str(e))
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
 
     gguf = default_model_path()
     res = lcp.run_bench(bench, gguf, 1, 1, 8, 8)

@@ -15,9 +15,9 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 from specserve.config import CheckpointError
-from specserve.model import loader
-from specserve.model.gguf_file import parse_gguf
-from specserve.model.loader import Checkpoint, expected_shapes, load_checkpoint, read_arch
+from specserve.model.checkpoint import loader
+from specserve.model.checkpoint.gguf_file import parse_gguf
+from specserve.model.checkpoint.loader import Checkpoint, expected_shapes, load_checkpoint, read_arch
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
@@ -377,7 +377,7 @@ def test_other_gguf_quant_types_kept_as_int8(tmp_path):
     """Kept quantized (``--quantization auto``), a matrix in a block format we do not run natively (Q5_0, Q5_1, K-quants)
     becomes group-32 int8 within half an int8 step of the file's values; without keeping, it is the file's
     values in float32."""
-    from specserve.model.gguf_file import read_gguf_tensor
+    from specserve.model.checkpoint.gguf_file import read_gguf_tensor
     from specserve.model.quant import QuantizedTensor
 
     gen = torch.Generator().manual_seed(0)

@@ -42,8 +42,8 @@ def test_llama3_rope_scaling_matches_hf():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_saved_checkpoint_through_loader_matches_hf(tmp_path, family):
     from specserve.model.attention import TorchAttention
+    from specserve.model.checkpoint.loader import load_checkpoint
     from specserve.model.decoder import DecoderModel
-    from specserve.model.loader import load_checkpoint
 
     hf = tiny_hf_model(family, seed=5, tie_word_embeddings=family == "llama")
     hf.save_pretrained(tmp_path)

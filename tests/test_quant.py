@@ -18,7 +18,7 @@ import torch
 
 from specserve.config import CheckpointError, ModelConfig
 from specserve.model.attention import CpuKernelAttention, TorchAttention, build_metadata
-from specserve.model.gguf_file import _quantized
+from specserve.model.checkpoint.gguf_file import _quantized
 from specserve.model.kernels import load_cpu_kernels
 from specserve.model.layers import RMSNorm, RotaryEmbedding
 from specserve.model.ops import CpuFusedOps, TorchOps
@@ -237,7 +237,7 @@ def test_fused_decoder_layer_equals_per_op_path(tmp_path, family):
     all do as one ``decoder_stack`` call; their results (prefill, decode, a 4-token verification, the feature
     layers an EAGLE head reads, and a layer a float weight keeps on the per-op path) equal the per-op path's
     bit for bit. qwen2 adds the q/k/v bias."""
-    from specserve.model.loader import load_checkpoint
+    from specserve.model.checkpoint.loader import load_checkpoint
     from specserve.model.ops import _fused_args, _stack_args
     from specserve.worker.model_runner import build_model
     from tests.helpers import tiny_hf_model

@@ -45,7 +45,7 @@ def test_seed_beyond_64_bits_is_a_validation_error():
 def test_implausible_config_is_refused_before_building_shapes(tmp_path):
     """Checkpoint fuzzing: num_hidden_layers (or a GGUF block_count) of 10**7+ made the loader build a
     shape table of billions of entries (the OOM killer ended it)."""
-    from specserve.model.loader import load_checkpoint, read_arch
+    from specserve.model.checkpoint.loader import load_checkpoint, read_arch
     from tests.helpers import tiny_hf_model
 
     tiny_hf_model("llama", seed=0, layers=1, vocab=64).save_pretrained(tmp_path)

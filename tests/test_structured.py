@@ -12,8 +12,8 @@ import torch
 
 from specserve import SamplingParams
 from specserve.llm import LLM
+from specserve.model.checkpoint.loader import load_checkpoint
 from specserve.model.decoder import DecoderModel
-from specserve.model.loader import load_checkpoint
 from specserve.sample.grammar import GrammarCompiler, GrammarState, bitmask_words
 from specserve.sample.rejection_sampler import verify
 from specserve.sample.sampler import RequestSamplingState, probs_from_logits, process_logits

@@ -315,7 +315,7 @@ def run_hf_peer(model_path: str | None, spec_config: dict[str, Any], prompts: li
                 batch1: dict[str, Any] | None) -> dict[str, Any]:
     """HF ``generate`` at batch 1, greedy, same prompt ids: plain, prompt lookup with the same k, and
     ``assistant_model`` when a draft checkpoint is given; tok/s medians and agreement with specserve."""
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
 
     k = int(spec_config["num_speculative_tokens"])
     eos = sorted(eos_ids)
@@ -366,7 +366,7 @@ def run_hf_peer(model_path: str | None, spec_config: dict[str, Any], prompts: li
 # -- peer: native llama.cpp (llama-bench, llama-server) on the same GGUF ----------------------------------------
 def llama_cpp_model_path(model: str | None) -> str:
     """The GGUF llama.cpp loads: specserve's own model file (the demo model by default)."""
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
 
     gguf = model or default_model_path()
     if not (gguf.endswith(".gguf") and os.path.isfile(gguf)):
@@ -465,7 +465,7 @@ def build_llm(model: str | None, kwargs: dict[str, Any]):
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from specserve.model.loader import default_model_path
+    from specserve.model.checkpoint.loader import default_model_path
 
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     if args.num_prompts < 1 or args.repeats < 1 or args.max_tokens < 1:

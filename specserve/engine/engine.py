@@ -14,7 +14,7 @@ from specserve.config import EngineConfig, SpecserveError
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import append_checked
 from specserve.kv.kv_cache_manager import KVCacheManager
-from specserve.model.loader import load_checkpoint
+from specserve.model.checkpoint.loader import load_checkpoint
 from specserve.outputs import CompletionOutput, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from specserve.platform import Platform, configure_threads, detect
 from specserve.request import Request, RequestStatus, SpecStats

@@ -154,7 +154,7 @@ def default_served_name(engine: Engine) -> str:
     path = engine.config.model.model_id or engine.config.model.model  # a hub id as the user typed it
     if path:
         return path
-    from specserve.model.loader import DEMO_FILE
+    from specserve.model.checkpoint.loader import DEMO_FILE
 
     return os.path.basename(DEMO_FILE).split(".")[0]
 

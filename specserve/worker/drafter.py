@@ -21,9 +21,9 @@ import torch
 
 from specserve.config import EngineConfig, ModelArch, SpecserveError
 from specserve.model.attention import make_backend
+from specserve.model.checkpoint.loader import load_checkpoint
 from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleHead, load_eagle_head
-from specserve.model.loader import load_checkpoint
 from specserve.model.quant import packed_linear
 from specserve.model.tensor_parallel import TensorParallel
 from specserve.platform import Platform

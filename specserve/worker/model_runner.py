@@ -20,9 +20,9 @@ import torch
 
 from specserve.config import EngineConfig, SpecserveError
 from specserve.model.attention import make_backend
+from specserve.model.checkpoint.loader import Checkpoint
 from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleHead
-from specserve.model.loader import Checkpoint
 from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear, quantizes, weight_bytes
 from specserve.model.tensor_parallel import Comm, TensorParallel

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from specserve.config import EngineConfig, SpecserveError
-from specserve.model.loader import Checkpoint, load_checkpoint
+from specserve.model.checkpoint.loader import Checkpoint, load_checkpoint
 from specserve.model.tensor_parallel import check_tensor_parallel
 from specserve.platform import Platform, check_tensor_parallel_devices, configure_threads, detect
 from specserve.worker.mirror import collectives, op_timeout, send_stop, shm_files

