@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from specserve.model.attention import build_metadata
-    from specserve.model.kernels import load_cpu_kernels
+    from specserve.model.kernels.cpu import load_cpu_kernels
     from specserve.platform import configure_threads, cpu_class
 
     configure_threads()

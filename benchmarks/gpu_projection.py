@@ -12,7 +12,7 @@ step path, and measures what a step costs:
   default 3072), 12 / 2 heads, head_dim 128, feature layers (2, 14, 28), a draft vocabulary of 8192 tokens;
 
 in bf16 (``--quantization none``) and in the quantized formats of the GPU path (``int8``, ``int4``: the Triton
-weight-only matmuls of ``model/triton_quant.py``). Every row has ``--context`` tokens of KV before the
+weight-only matmuls of ``model/kernels/triton_quant.py``). Every row has ``--context`` tokens of KV before the
 measured step (the KV holds zeros: the kernels' work does not depend on the values).
 
 Measured, per format, at each batch size B (default 1, 8, 32), median over ``--iters`` steps:

@@ -94,7 +94,7 @@ def main() -> int:
     from torch.utils.cpp_extension import load_inline
 
     from specserve.model.checkpoint.loader import default_model_path, load_checkpoint
-    from specserve.model.kernels import load_cpu_kernels
+    from specserve.model.kernels.cpu import load_cpu_kernels
     from specserve.model.quant import CpuQuantWeight, quantize
     from specserve.platform import configure_threads, cpu_class, cpu_has_vnni
 

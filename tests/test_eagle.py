@@ -25,7 +25,7 @@ from specserve.llm import LLM
 from specserve.model.checkpoint.loader import load_checkpoint
 from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleConfig, EagleHead, save_eagle_head
-from specserve.model.kernels import load_cpu_kernels
+from specserve.model.kernels.cpu import load_cpu_kernels
 from specserve.model.quant import CpuQuantWeight
 from specserve.platform import detect
 from tests.helpers import save_tiny_checkpoint, save_tiny_eagle_head

@@ -105,7 +105,7 @@ def test_triton_attention_through_graph_runner():
     """The GPU attention backend over the static buffers: padded rows, full-width static block tables, bucket
     constants for num_reqs / max_query_len (the kernels under the Triton interpreter on CPU)."""
     pytest.importorskip("triton")
-    from specserve.model.triton_attention import TritonAttention
+    from specserve.model.kernels.triton_attention import TritonAttention
 
     step_g, step_e, plan = _steps()
     step_g.model.backend = TritonAttention()  # the model is shared by both steps

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from specserve.model.checkpoint.gguf_file import parse_gguf, read_gguf_tensor
-from specserve.model.kernels import load_cpu_kernels
+from specserve.model.kernels.cpu import load_cpu_kernels
 from specserve.model.ops import _fused_args
 from specserve.model.quant import (
     ConcatWeight,

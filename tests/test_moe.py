@@ -1,5 +1,5 @@
 """SparseMoE (model/moe.py) vs HF transformers' sparse MoE blocks, its batch invariance and sparsity, and the
-Triton experts (model/triton_moe.py) vs the torch path.
+Triton experts (model/kernels/triton_moe.py) vs the torch path.
 
 On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before triton is imported);
 shapes are kept tiny because the interpreter executes every program instance in Python.
@@ -19,7 +19,7 @@ from safetensors import safe_open  # noqa: E402
 from specserve.model.moe import SparseMoE  # noqa: E402
 
 try:
-    from specserve.model import triton_moe
+    from specserve.model.kernels import triton_moe
 except ImportError:  # pragma: no cover - depends on the environment
     triton_moe = None  # type: ignore[assignment]
 

@@ -19,7 +19,7 @@ import torch
 from specserve.config import CheckpointError, ModelConfig
 from specserve.model.attention import CpuKernelAttention, TorchAttention, build_metadata
 from specserve.model.checkpoint.gguf_file import _quantized
-from specserve.model.kernels import load_cpu_kernels
+from specserve.model.kernels.cpu import load_cpu_kernels
 from specserve.model.layers import RMSNorm, RotaryEmbedding
 from specserve.model.ops import CpuFusedOps, TorchOps
 from specserve.model.quant import (
@@ -367,7 +367,7 @@ def test_abandoned_kernel_build_lock_is_removed(tmp_path):
     import os
     import time
 
-    from specserve.model import kernels
+    from specserve.model.kernels import cpu as kernels
 
     lock = tmp_path / "lock"
     assert not kernels.remove_stale_lock(str(tmp_path))  # no lock

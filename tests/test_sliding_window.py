@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from specserve.model.attention import CpuKernelAttention, TorchAttention, build_metadata  # noqa: E402
-from specserve.model.kernels import load_cpu_kernels  # noqa: E402
+from specserve.model.kernels.cpu import load_cpu_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WINDOWS = [1, 4, 7, 16]
@@ -75,7 +75,7 @@ def backend(request):
             pytest.skip("C++ CPU kernels not built")
         return CpuKernelAttention(), "cpu"
     pytest.importorskip("triton")
-    from specserve.model.triton_attention import TritonAttention
+    from specserve.model.kernels.triton_attention import TritonAttention
 
     return TritonAttention(), DEVICE
 
@@ -148,7 +148,7 @@ def test_kernels_do_not_read_keys_before_the_window(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_gpu_realistic_shapes(dtype):
     pytest.importorskip("triton")
-    from specserve.model.triton_attention import TritonAttention
+    from specserve.model.kernels.triton_attention import TritonAttention
 
     reqs = [(300, 700), (1, 2049), (1, 130), (6, 1024), (129, 129), (5, 37)]
     query, kv_cache, meta, _ = _case(reqs, "cuda", block_size=16, num_kv_heads=8, group=4, head_dim=128, seed=5)

@@ -28,7 +28,7 @@ from specserve import SamplingParams
 from specserve.llm import LLM
 from specserve.model.attention import build_metadata
 from specserve.model.decoder import DecoderModel
-from specserve.model.kernels import load_cpu_kernels
+from specserve.model.kernels.cpu import load_cpu_kernels
 from specserve.platform import bf16_rows_invariant, cpu_has_native_bf16, detect
 from specserve.sample.sampler import RequestSamplingState, process_logits
 from specserve.spec_decode.controller import SpecController

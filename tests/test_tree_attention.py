@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specserve.model.attention import CpuKernelAttention, TorchAttention
-from specserve.model.kernels import load_cpu_kernels
+from specserve.model.kernels.cpu import load_cpu_kernels
 from specserve.worker.input_batch import flat_batch
 
 BLOCK = 8

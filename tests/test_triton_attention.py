@@ -17,7 +17,7 @@ from specserve.model.attention import TorchAttention, build_metadata  # noqa: E4
 
 pytest.importorskip("triton")
 
-from specserve.model.triton_attention import TritonAttention  # noqa: E402
+from specserve.model.kernels.triton_attention import TritonAttention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")

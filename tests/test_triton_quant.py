@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from specserve.model import triton_quant  # noqa: E402
-from specserve.model.triton_quant import (  # noqa: E402
+from specserve.model.kernels import triton_quant  # noqa: E402
+from specserve.model.kernels.triton_quant import (  # noqa: E402
     int4_matmul,
     int4_matmul_reference,
     int8_group_matmul,

@@ -221,11 +221,11 @@ class CpuKernelAttention(TorchAttention):
 def make_backend(name: str) -> AttentionBackend:
     """Chosen once at start-up from ``platform.attention_backend``."""
     if name == "triton":
-        from specserve.model.triton_attention import TritonAttention
+        from specserve.model.kernels.triton_attention import TritonAttention
 
         return TritonAttention()
     if name == "cpu":
-        from specserve.model.kernels import load_cpu_kernels
+        from specserve.model.kernels.cpu import load_cpu_kernels
 
         if load_cpu_kernels():
             return CpuKernelAttention()

@@ -12,7 +12,7 @@ expert).
 Execution: only experts that received tokens run. The (token, rank) assignments are sorted by expert;
 - ``kernel="torch"``: one matmul pair per active expert over its rows (the expert counts come to the host,
   so this path syncs and cannot be graph-captured);
-- ``kernel="triton"``: grouped kernels over the sorted assignments (``model/triton_moe.py``), no host sync.
+- ``kernel="triton"``: grouped kernels over the sorted assignments (``model/kernels/triton_moe.py``), no host sync.
 Both add a token's k weighted expert outputs rank by rank with its ranks in ascending expert order, so the
 sum's float order depends only on the token's own experts, never on the other tokens of the batch. Row
 invariance of the matmuls themselves is the ``linear``'s business (``Platform.linear``): MKL's fp32 sgemm is
@@ -50,7 +50,9 @@ class SparseMoE(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k = {top_k} must be in 1..num_experts = {num_experts}")
         if kernel == "triton":
-            from specserve.model import triton_moe  # ImportError without Triton: fail at build, not mid-step
+            from specserve.model.kernels import (
+                triton_moe,  # ImportError without Triton: fail at build, not mid-step
+            )
 
             self._fused_experts = triton_moe.fused_experts
         self.hidden, self.inter, self.num_experts, self.top_k = hidden, inter, num_experts, top_k

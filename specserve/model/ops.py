@@ -114,7 +114,7 @@ class CpuFusedOps(TorchOps):
 def make_ops(device: torch.device, dtype: torch.dtype, attention_backend: str) -> TorchOps:
     """Fused CPU ops where they apply (fp32, the C++ kernels built), the torch reference elsewhere."""
     if device.type == "cpu" and dtype == torch.float32 and attention_backend == "cpu":
-        from specserve.model.kernels import load_cpu_kernels
+        from specserve.model.kernels.cpu import load_cpu_kernels
 
         if load_cpu_kernels():
             return CpuFusedOps()

@@ -10,7 +10,7 @@ So a quantized GGUF keeps the file's own numbers; float checkpoints are requanti
 
 The packed weights are ``nn.Module``s with ``forward(x) -> x @ w.T``; which kernels run them is answered by
 ``platform.Platform.quant_kernels``: ``cpu`` (the x86 kernels of ``kernels/cpu_kernels.cpp``, built on first use),
-``triton`` (``triton_quant.py``, GPUs of either vendor), or ``None`` (no kernel here: weights dequantized).
+``triton`` (``kernels/triton_quant.py``, GPUs of either vendor), or ``None`` (no kernel here: weights dequantized).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import CheckpointError
-from specserve.model.kernels import load_cpu_kernels
+from specserve.model.kernels.cpu import load_cpu_kernels
 
 log = logging.getLogger("specserve")
 
@@ -361,7 +361,7 @@ def _tiles(t: torch.Tensor) -> torch.Tensor:
 
 
 class TritonQuantWeight(_Quantized):
-    """GPU Triton kernels of ``triton_quant.py`` (either vendor): 4-bit codes, two per byte along K."""
+    """GPU Triton kernels of ``kernels/triton_quant.py`` (either vendor): 4-bit codes, two per byte along K."""
 
     def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
         if qt.bits != 4:
@@ -377,14 +377,14 @@ class TritonQuantWeight(_Quantized):
         return QuantizedTensor(4, codes, self.scales, self.mins)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        from specserve.model.triton_quant import int4_matmul
+        from specserve.model.kernels.triton_quant import int4_matmul
 
         assert self.mins is not None  # 4-bit weights always carry mins
         return int4_matmul(x.contiguous(), self.packed, self.scales, self.mins, GROUP)
 
 
 class TritonQuant8Weight(_Quantized):
-    """GPU Triton kernel of ``triton_quant.py`` for 8-bit codes (Q8_0, Q5_0, Q6_K) as is, int8 [N, K], with a
+    """GPU Triton kernel of ``kernels/triton_quant.py`` for 8-bit codes (Q8_0, Q5_0, Q6_K) as is, int8 [N, K], with a
     scale per group of 32 or 16 (``int8_group_matmul``: any group that is a multiple of 16)."""
 
     def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
@@ -399,7 +399,7 @@ class TritonQuant8Weight(_Quantized):
         return QuantizedTensor(8, self.packed, self.scales, None)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        from specserve.model.triton_quant import int8_group_matmul
+        from specserve.model.kernels.triton_quant import int8_group_matmul
 
         return int8_group_matmul(x.contiguous(), self.packed, self.scales, self.group)
 
