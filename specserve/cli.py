@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub, add_engine_args)
 
-    from specserve.distill.cli import add_distill_parser
+    from specserve.distill.command import add_distill_parser
 
     add_distill_parser(sub)
 

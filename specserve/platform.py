@@ -52,7 +52,7 @@ class Platform:
 
     @property
     def moe_kernel(self) -> str:
-        """The sparse-MoE experts' kernel (model/moe.py): "triton" (grouped kernels, capturable) with the
+        """The sparse-MoE experts' kernel (model/sparse_moe.py): "triton" (grouped kernels, capturable) with the
         Triton attention backend, else "torch" (a matmul per active expert)."""
         return "triton" if self.attention_backend == "triton" else "torch"
 

@@ -102,7 +102,7 @@ def test_head_distill_reading_several_target_layers(setup):
     hidden = load_checkpoint(setup["target"]).arch.hidden_size
     assert all(s.features.shape[-1] == 2 * hidden for s in samples)  # engine-sampled and teacher-forced alike
     _greedy_equal(setup["target"], 4, speculative_method="eagle", speculative_model=out)
-    from specserve.distill.cli import feature_layers
+    from specserve.distill.command import feature_layers
 
     assert feature_layers("eagle3", 30) == (2, 15, 30) and feature_layers("last", 30) is None
     for bad in ("1", "2,1,2", "x"):
@@ -184,7 +184,7 @@ def test_collate_over_a_draft_vocabulary_drops_tokens_outside_it():
 
 def test_held_out_prompts_written_as_bench_datasets(tmp_path):
     from specserve.datasets import load_dataset
-    from specserve.distill.cli import _write_held_out
+    from specserve.distill.command import _write_held_out
 
     written = _write_held_out(str(tmp_path), "chat,code,prompts.txt", {"chat-003", "code-010", "code-011"})
     assert written == ["heldout-chat.jsonl", "heldout-code.jsonl"]

@@ -1,4 +1,4 @@
-"""SparseMoE (model/moe.py) vs HF transformers' sparse MoE blocks, its batch invariance and sparsity, and the
+"""SparseMoE (model/sparse_moe.py) vs HF transformers' sparse MoE blocks, its batch invariance and sparsity, and the
 Triton experts (model/kernels/triton_moe.py) vs the torch path.
 
 On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before triton is imported);
@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from specserve.model.moe import SparseMoE  # noqa: E402
+from specserve.model.sparse_moe import SparseMoE  # noqa: E402
 
 try:
     from specserve.model.kernels import triton_moe

@@ -18,7 +18,7 @@ from specserve import SamplingParams
 from specserve.config import ModelArch, SpecserveError
 from specserve.llm import LLM
 from specserve.model.checkpoint.loader import default_model_path
-from specserve.model.tensor_parallel import check_tensor_parallel, local_arch, shard_spec
+from specserve.model.sharding import check_tensor_parallel, local_arch, shard_spec
 from tests.helpers import save_tiny_checkpoint
 from tests.test_engine import assert_same_or_near_tie
 

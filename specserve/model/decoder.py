@@ -19,7 +19,6 @@ from specserve.config import CheckpointError, ModelArch
 from specserve.model.attention import AttentionBackend, AttentionMetadata
 from specserve.model.families import MoeNames, family
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
-from specserve.model.moe import SparseMoE
 from specserve.model.ops import TorchOps
 from specserve.model.quant import (
     CpuQuantWeight,
@@ -30,7 +29,8 @@ from specserve.model.quant import (
     cat_rows,
     embedding,
 )
-from specserve.model.tensor_parallel import TensorParallel, local_arch, shard_tensor
+from specserve.model.sharding import TensorParallel, local_arch, shard_tensor
+from specserve.model.sparse_moe import SparseMoE
 
 _TORCH_OPS = TorchOps()
 
@@ -109,7 +109,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """``forward(input_ids, positions, kv_caches, meta) -> hidden`` over flat tokens; logits on request.
 
-    With ``tp`` (``model/tensor_parallel.py``) the model is one rank's slice: its layers are built from the
+    With ``tp`` (``model/sharding.py``) the model is one rank's slice: its layers are built from the
     slice's architecture (``self.local``), two all-reduces per layer join the partial sums, and the
     embedding and LM head hold a slice of the vocabulary. ``self.arch`` stays the whole model's."""
 

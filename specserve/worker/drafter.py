@@ -25,7 +25,7 @@ from specserve.model.checkpoint.loader import load_checkpoint
 from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleHead, load_eagle_head
 from specserve.model.quant import packed_linear
-from specserve.model.tensor_parallel import TensorParallel
+from specserve.model.sharding import TensorParallel
 from specserve.platform import Platform
 from specserve.spec_decode.controller import SpecController
 from specserve.spec_decode.draft_model import DraftModelProposer

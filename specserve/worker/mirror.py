@@ -3,7 +3,7 @@
 Rank 0 broadcasts each call on a sharded model (key and arguments, pickled) before running it; the other
 ranks wait in ``Mirror.follow`` and run the same call on their slices, so every collective inside meets its
 peers. Messages go through a gloo group, or through shared memory (``ShmChannel``) between ranks on one host;
-so do the model's collectives (``model/tensor_parallel.py``: ``Comm``, ``ShmComm``).
+so do the model's collectives (``model/sharding.py``: ``Comm``, ``ShmComm``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from specserve.model.tensor_parallel import Comm, ShmComm
+from specserve.model.sharding import Comm, ShmComm
 
 _STOP = "__stop__"
 # Collectives of a step that wait longer than this fail (a rank that hangs); the message group waits for

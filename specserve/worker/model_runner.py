@@ -25,7 +25,7 @@ from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleHead
 from specserve.model.ops import make_ops
 from specserve.model.quant import describe_weights, make_packer, packed_linear, quantizes, weight_bytes
-from specserve.model.tensor_parallel import Comm, TensorParallel
+from specserve.model.sharding import Comm, TensorParallel
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import (
     Platform,

@@ -1,6 +1,6 @@
 """Tensor parallel across processes: rank 0 is the engine's own worker, ranks 1..N-1 follow it.
 
-Every rank builds the same ``ModelRunner`` over its slice of the weights (``model/tensor_parallel.py``).
+Every rank builds the same ``ModelRunner`` over its slice of the weights (``model/sharding.py``).
 Rank 0 runs the engine: the scheduler, sampling and verification, the controller, the proposers' logic.
 Every model call it makes on a sharded model (the target step with its logits, layer-skip and sharded
 draft steps, EAGLE head steps) is a *mirrored call*:
@@ -43,7 +43,7 @@ import torch
 
 from specserve.config import EngineConfig, SpecserveError
 from specserve.model.checkpoint.loader import Checkpoint, load_checkpoint
-from specserve.model.tensor_parallel import check_tensor_parallel
+from specserve.model.sharding import check_tensor_parallel
 from specserve.platform import Platform, check_tensor_parallel_devices, configure_threads, detect
 from specserve.worker.mirror import collectives, op_timeout, send_stop, shm_files
 from specserve.worker.model_runner import ModelRunner

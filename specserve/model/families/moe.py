@@ -1,6 +1,6 @@
 """Sparse mixture-of-experts decoders: Qwen3-MoE (``qwen3moe`` in GGUF), OLMoE (``olmoe``; q/k norms over the
 whole projection) and Mixtral (GGUF ``llama`` with expert tensors, see ``families/llama.py``). Attention is Qwen3's or Llama's; the MLP of every sparse layer is
-a routed set of gated experts (``model/moe.py``)."""
+a routed set of gated experts (``model/sparse_moe.py``)."""
 
 from __future__ import annotations
 

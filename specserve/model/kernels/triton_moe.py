@@ -1,4 +1,4 @@
-"""Grouped Triton kernels for the experts of ``SparseMoE`` (``model/moe.py``, whose torch path is the reference).
+"""Grouped Triton kernels for the experts of ``SparseMoE`` (``model/sparse_moe.py``, whose torch path is the reference).
 
 ``fused_experts(x, gate_up, down, weights, ids)``: token ``t``'s output is ``sum_j weights[t, j] *
 down[e] @ (silu(g) * u)`` over its experts ``e = ids[t, j]``, ``[g; u] = gate_up[e] @ x[t]``.
