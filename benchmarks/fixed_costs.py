@@ -73,16 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_grammar_drafts:
         kwargs["grammar_drafts"] = False
     llm = LLM(None, **kwargs)
-    drafter = llm.engine.runner.drafter
-    if drafter is None:
+    controller = llm.spec_controller()
+    if controller is None:
         print("fixed_costs: give a speculative method or model", file=sys.stderr)
         return 2
     totals = {"target": 0.0, "draft": 0.0}
 
-    # NOTE: the costs are replaced on this engine's objects only (instance attributes), after the engine
+    # NOTE: the costs are replaced on this engine's controller only (instance attributes), after the engine
     # is built; a controller reset by the benchmark would lose them, so none is done.
-    controller = drafter.controller
-    record_target, record_draft, propose = controller.record_target, controller.record_draft, drafter.propose
+    record_target, record_draft = controller.record_target, controller.record_draft
 
     def fixed_target(num_tokens: int, seconds: float) -> None:
         cost = step_cost(table, args.row_ms, num_tokens)
@@ -101,43 +100,39 @@ def main(argv: list[str] | None = None) -> int:
             depths.append(1 + (depths[p] if p >= 0 else 0))
         return max(depths, default=0)
 
-    def counted_propose(cands, draining=False):  # type: ignore[no-untyped-def]
-        out = propose(cands, draining)
-        stepped = [depth(out[c.req_id]) for c in cands
-                   if c.req_id in out and drafter._sources.get(c.req_id) not in FREE_SOURCES]
+    def count_drafts(drafts) -> None:  # type: ignore[no-untyped-def]
+        stepped = [depth(d) for source, d in drafts if source not in FREE_SOURCES]
         totals["draft"] += max(stepped, default=0) * args.draft_ms / 1e3
-        return out
 
     controller.record_target, controller.record_draft = fixed_target, fixed_draft
-    drafter.propose = counted_propose
+    with llm.observe_drafts(count_drafts):
+        items = load_dataset(args.dataset)
+        prompts = offline.prompt_ids(llm.tokenizer, items, args.num_prompts, llm.engine.max_model_len, args.max_tokens)
+        constraints = offline.constraints_of(items[:len(prompts)])
+        offline.warm_up(llm, prompts, args.max_tokens, constraints)
 
-    items = load_dataset(args.dataset)
-    prompts = offline.prompt_ids(llm.tokenizer, items, args.num_prompts, llm.engine.max_model_len, args.max_tokens)
-    constraints = offline.constraints_of(items[:len(prompts)])
-    offline.warm_up(llm, prompts, args.max_tokens, constraints)
+        def run(speculative: bool):  # type: ignore[no-untyped-def]
+            totals["target"] = totals["draft"] = 0.0
+            r = offline.run_once(llm, prompts, args.batch_size, args.max_tokens, speculative, constraints=constraints)
+            return r, totals["target"] + totals["draft"]
 
-    def run(speculative: bool):  # type: ignore[no-untyped-def]
-        totals["target"] = totals["draft"] = 0.0
-        r = offline.run_once(llm, prompts, args.batch_size, args.max_tokens, speculative, constraints=constraints)
-        return r, totals["target"] + totals["draft"]
-
-    off, off_s = run(False)
-    print(f"CPU: {cpu_class()} (the costs are the fixed table's)")
-    print(f"{args.dataset}, {len(prompts)} prompts, batch {args.batch_size}, {args.max_tokens} tokens max; step ms {args.step_ms}, "
-          f"draft ms {args.draft_ms}")
-    print(f"off: {off.num_steps} steps, {off.output_tokens} tokens, modelled {off_s:.3f} s")
-    ratios = []
-    for i in range(args.runs):
-        on, on_s = run(True)
-        mismatch = sum(a != b for a, b in zip(on.outputs, off.outputs))
-        per = ", ".join(f"{s} {v['accepted_tokens']}/{v['draft_tokens']} in {v['num_drafts']} steps"
-                        for s, v in sorted(on.sources.items()))
-        ratios.append(off_s / on_s)
-        print(f"on, run {i + 1}: {on.num_steps} steps, {on.output_tokens} tokens "
-              f"({on.output_tokens / on.num_steps:.2f} per step), modelled {on_s:.3f} s = {off_s / on_s:.3f}x; "
-              f"accepted/drafted by source: {per}; outputs differing from off: {mismatch}/{len(prompts)}")
-    print(f"modelled ratio, median of {len(ratios)}: {statistics.median(ratios):.3f}x")
-    return 0
+        off, off_s = run(False)
+        print(f"CPU: {cpu_class()} (the costs are the fixed table's)")
+        print(f"{args.dataset}, {len(prompts)} prompts, batch {args.batch_size}, {args.max_tokens} tokens max; step ms {args.step_ms}, "
+              f"draft ms {args.draft_ms}")
+        print(f"off: {off.num_steps} steps, {off.output_tokens} tokens, modelled {off_s:.3f} s")
+        ratios = []
+        for i in range(args.runs):
+            on, on_s = run(True)
+            mismatch = sum(a != b for a, b in zip(on.outputs, off.outputs))
+            per = ", ".join(f"{s} {v['accepted_tokens']}/{v['draft_tokens']} in {v['num_drafts']} steps"
+                            for s, v in sorted(on.sources.items()))
+            ratios.append(off_s / on_s)
+            print(f"on, run {i + 1}: {on.num_steps} steps, {on.output_tokens} tokens "
+                  f"({on.output_tokens / on.num_steps:.2f} per step), modelled {on_s:.3f} s = {off_s / on_s:.3f}x; "
+                  f"accepted/drafted by source: {per}; outputs differing from off: {mismatch}/{len(prompts)}")
+        print(f"modelled ratio, median of {len(ratios)}: {statistics.median(ratios):.3f}x")
+        return 0
 
 
 if __name__ == "__main__":

@@ -79,12 +79,11 @@ def decode_tok_s(llm, prompt_ids: list[list[int]], max_tokens: int, speculative:
 
 
 def weight_bytes(llm) -> int:
-    return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    return sum(p.numel() * p.element_size() for p in llm.target_model().parameters())
 
 
 def graph_buckets(llm) -> list:
-    static = llm.engine.runner.target_step.static
-    return sorted(static.graphs) if static is not None else []
+    return llm.graph_buckets()
 
 
 def release(gpu: bool) -> None:

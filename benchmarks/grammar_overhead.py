@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. the checks a grammar-free batch pays per step, on that batch's kind of states
     states = [RequestSamplingState.create(params, p) for p in prompts]
-    batch_logits = torch.randn(len(states), llm.engine.runner.arch.vocab_size)
+    batch_logits = torch.randn(len(states), llm.target_model().arch.vocab_size)
     ones, nothing = [1] * len(states), [[] for _ in states]
     checks = _per_call(lambda: (
         greedy_argmax(batch_logits, states, ones, nothing),
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     drafts = tok.encode('alue", "default": null}, ', add_special_tokens=False)[:5]
     free = RequestSamplingState(params, [1], list(prefix), None)
     constrained = RequestSamplingState(params, [1], list(prefix), None, (), grammar)
-    logits = torch.randn(len(drafts) + 1, llm.engine.runner.arch.vocab_size)
+    logits = torch.randn(len(drafts) + 1, llm.target_model().arch.vocab_size)
     rows = [len(drafts) + 1]
     t_free = _per_call(lambda: process_logits(logits, [free], rows, [drafts]), 500)
     t_grammar = _per_call(lambda: process_logits(logits, [constrained], rows, [drafts]), 500)

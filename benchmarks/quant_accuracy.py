@@ -21,7 +21,7 @@ def logits_of(llm, tokens: list[int]) -> torch.Tensor:
     """[len(tokens), vocab] logits of one fresh forward over ``tokens``."""
     from specserve.model.attention import build_metadata
 
-    model = llm.engine.runner.model
+    model = llm.target_model()
     n, bs = len(tokens), 16
     blocks = -(-n // bs)
     kv = [torch.zeros(model.kv_cache_shape(blocks, bs), dtype=model.dtype) for _ in range(model.arch.num_layers)]
@@ -34,6 +34,7 @@ def compare(model: str | None, modes: list[str], prompts: list[list[int]], max_t
             ) -> list[dict[str, object]]:
     from specserve import SamplingParams
     from specserve.llm import LLM
+    from specserve.model.quant import describe_weights
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     ref_llm = LLM(model, quantization="none", dtype="float32", device="cpu", num_blocks=512)
@@ -46,7 +47,7 @@ def compare(model: str | None, modes: list[str], prompts: list[list[int]], max_t
         out = [o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=prompts)]
         delta = max(float((logits_of(llm, p + r) - rl).abs().max()) for p, r, rl in zip(prompts, ref, ref_logits))
         rows.append({"mode": mode, "max_abs_logit_delta": delta, "greedy_equal": sum(a == b for a, b in zip(ref, out)),
-                     "prompts": len(prompts), "weights": llm.engine.runner.weights_note})
+                     "prompts": len(prompts), "weights": describe_weights(llm.target_model())})
         del llm
     return rows
 

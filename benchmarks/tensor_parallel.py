@@ -51,7 +51,7 @@ def main() -> int:
           f"{os.cpu_count()} cores")
     kw = dict(num_blocks=512, max_num_seqs=8, speculative_method="ngram", num_speculative_tokens=4, device=args.device)
     engines = {1: LLM(None, **kw), args.size: LLM(None, tensor_parallel_size=args.size, **kw)}
-    weights = {tp: weight_bytes(llm.engine.runner.model) for tp, llm in engines.items()}
+    weights = {tp: weight_bytes(llm.target_model()) for tp, llm in engines.items()}
     for tp, b in weights.items():
         print(f"TP={tp}: rank 0 holds {b / 2**20:.1f} MiB of weights ({b / weights[1]:.2f}x of TP=1)")
     for llm in engines.values():  # warm-up (kernels, allocator)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
@@ -16,6 +16,8 @@ from specserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from specserve.model.decoder import DecoderModel
     from specserve.spec_decode.controller import SpecController
+    from specserve.spec_decode.proposer import Draft, ProposeRequest
+    from specserve.spec_decode.state import Source
     from specserve.worker.features import FeatureSink
 
 
@@ -73,7 +75,7 @@ class LLM:
     def get_metrics(self) -> dict[str, Any]:
         return self.engine.get_metrics()
 
-    # -- for the tools (bench, distill): speculation's controller, the target model --------------------------
+    # -- for the tools (bench, distill): speculation's controller and drafts, the target model ---------------
     def spec_controller(self) -> SpecController | None:
         """The speculation controller now in use (its acceptance, measured costs and ``cost_observers``);
         None without speculation."""
@@ -103,6 +105,32 @@ class LLM:
         distill`` trains a head on)."""
         with self.engine.runner.observe_features(sink):
             yield
+
+    @contextlib.contextmanager
+    def observe_drafts(self, sink: Callable[[list[tuple[Source | None, Draft]]], None]) -> Iterator[None]:
+        """For the duration: after every proposal, ``sink`` gets the step's drafts, each with its source (what
+        ``benchmarks/fixed_costs.py`` prices). Nothing without speculation."""
+        drafter = self.engine.runner.drafter
+        if drafter is None:
+            yield
+            return
+        propose = drafter.propose
+
+        def observed(cands: list[ProposeRequest], draining: bool = False) -> dict[str, Draft]:
+            out = propose(cands, draining)
+            sink([(c.spec.source, out[c.req_id]) for c in cands if c.req_id in out])
+            return out
+
+        drafter.propose = observed  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            drafter.propose = propose  # type: ignore[method-assign]
+
+    def graph_buckets(self) -> list[tuple[int, int, bool]]:
+        """The target step's captured graph buckets so far, sorted (empty when graphs are off)."""
+        static = self.engine.runner.target_step.static
+        return sorted(static.graphs) if static is not None else []
 
     def close(self) -> None:
         """Release everything now (class docstring); idempotent. The LLM cannot generate afterwards."""

@@ -28,6 +28,18 @@ LAYERS = [
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
+# The rooms of model/, the same way: the kernels (C++ CPU, Triton) under the layers that call them; checkpoint/
+# (reading HF dirs and GGUF files) beside the decoder, which never reads a checkpoint (it is handed weights);
+# the EAGLE head on the decoder's layer.
+MODEL_ROOMS = [
+    {"attention_metadata", "layers"},
+    {"kernels"},
+    {"quant", "attention", "sparse_moe"},
+    {"families", "sharding", "ops"},
+    {"checkpoint", "decoder"},
+    {"eagle_head"},
+]
+
 
 def _modules() -> dict[str, pathlib.Path]:
     out = {}
@@ -85,6 +97,21 @@ def test_no_module_imports_a_higher_layer():
             a, b = _unit(mod), _unit(dep)
             if a != b and b and RANK[b] >= RANK[a]:
                 bad.append(f"{mod} imports {dep} (layer {RANK[a]} -> {RANK[b]})")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_model_rooms_are_layered():
+    modules = _modules()
+    rank = {room: i for i, layer in enumerate(MODEL_ROOMS) for room in layer}
+
+    def room(module: str) -> str:
+        return module.split(".")[2]
+
+    inside = [m for m in modules if m.startswith("specserve.model.")]
+    assert {room(m) for m in inside} <= rank.keys(), \
+        f"place these in MODEL_ROOMS: {sorted({room(m) for m in inside} - rank.keys())}"
+    bad = [f"{mod} imports {dep}" for mod, deps in _imports(modules).items() if mod in inside for dep in deps
+           if dep.startswith("specserve.model.") and room(dep) != room(mod) and rank[room(dep)] >= rank[room(mod)]]
     assert not bad, "\n".join(sorted(bad))
 
 

@@ -1,6 +1,7 @@
-"""bench and distill reach speculation's controller and the target model through ``LLM`` methods made for
-them (``spec_controller``, ``reset_spec_controller``, ``target_model``, ``set_feature_layers``,
-``observe_features``), not through the engine's internals."""
+"""bench, distill and the benchmarks reach speculation's controller, its drafts and the target model through
+``LLM`` methods made for them (``spec_controller``, ``reset_spec_controller``, ``target_model``,
+``set_feature_layers``, ``observe_features``, ``observe_drafts``, ``graph_buckets``), not through the engine's
+internals."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from specserve.llm import LLM
 from tests.helpers import save_tiny_checkpoint
 
 PKG = pathlib.Path(__file__).parents[1] / "specserve"
-TOOLS = [PKG / "bench" / "offline.py", PKG / "distill" / "evaluate.py"]
+BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
+TOOLS = [PKG / "bench" / "offline.py", PKG / "distill" / "evaluate.py", PKG / "distill" / "command.py",
+         PKG / "distill" / "data.py"] + [BENCHMARKS / f"{name}.py" for name in (
+             "fixed_costs", "gpu_check", "quant_accuracy", "tensor_parallel", "grammar_overhead")]
 
 
 @pytest.mark.parametrize("path", TOOLS, ids=lambda p: p.name)
@@ -58,7 +62,23 @@ def test_target_model_and_features(llm):
     assert got and all(width == model.arch.hidden_size for _, width in got)
 
 
+def test_observe_drafts(llm):
+    from specserve.spec_decode.state import Source
+
+    llm.reset_spec_controller(adaptive=False)  # a fixed k: drafts every step
+    seen: list[tuple[Source | None, int]] = []
+    with llm.observe_drafts(lambda drafts: seen.extend((s, len(d.token_ids)) for s, d in drafts)):
+        llm.generate(["ab ab ab ab ab ab ab ab"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert seen and all(s is not None and n >= 1 for s, n in seen)
+    n = len(seen)
+    llm.generate(["ab ab ab ab ab ab ab ab"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert len(seen) == n  # no longer observed after the block
+    assert llm.graph_buckets() == []  # no graphs on the CPU
+
+
 def test_no_controller_without_speculation(tmp_path):
     llm = LLM(save_tiny_checkpoint(tmp_path), dtype="float32", num_blocks=16)
     assert llm.spec_controller() is None
     llm.reset_spec_controller(adaptive=False)  # nothing to reset: no error
+    with llm.observe_drafts(lambda drafts: None):  # nothing to observe: no error
+        pass

@@ -103,11 +103,11 @@ def cmd_distill(args: argparse.Namespace) -> int:
     engine_kw = {"dtype": args.dtype, "device": args.device, "quantization": "none"}
     llm = LLM(args.target, max_num_seqs=args.batch, enable_prefix_caching=False, **engine_kw)
     if args.kind == "head":  # collect exactly the features the head will read when serving
-        llm.engine.runner.set_feature_layers(feature_layers(args.feature_layers, llm.engine.runner.arch.num_layers))
+        llm.set_feature_layers(feature_layers(args.feature_layers, llm.target_model().arch.num_layers))
     if args.init:  # a head that cannot start this run is refused before the collection
         if args.kind != "head":
             raise ValueError("--init is for --kind head")
-        check_init(args.init, llm.engine.runner.model)
+        check_init(args.init, llm.target_model())
     t0 = time.perf_counter()
     samples, train_prompts, held = _collect(args, llm)
     walls["collect_s"] = round(time.perf_counter() - t0, 1)
@@ -169,7 +169,7 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
     meta: dict[str, Any] = {"complete": False, "next_prompt": 0}
     if args.resume and os.path.exists(path):
         samples, meta = D.load_samples(path)
-        model = llm.engine.runner.model
+        model = llm.target_model()
         want = model.arch.hidden_size * len(model.feature_layers or (0,))
         if samples and samples[0].features.shape[-1] != want:
             raise ValueError(f"{path} holds features {samples[0].features.shape[-1]} wide but --feature-layers "
@@ -201,7 +201,7 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
         from specserve.datasets import CODE_MODULES, SUMMARIZE_MODULES
 
         chunks = D.stdlib_code_chunks(llm.tokenizer, CODE_MODULES + SUMMARIZE_MODULES, args.text_seq_len, args.seed)
-        model = llm.engine.runner.model
+        model = llm.target_model()
         samples += D.collect_text(model, chunks, args.text_tokens, max(1, 2048 // args.text_seq_len),
                                   taps=model.feature_layers)
         D.save_samples(path, samples, {**meta, "text_tokens": args.text_tokens})
@@ -273,7 +273,7 @@ def _train_and_export(args: argparse.Namespace, llm: Any, samples: list[Any]) ->
     from specserve.distill.train import DraftModelTask, HeadTask, TrainConfig, make_batches, train
     from specserve.model.eagle_head import save_eagle_head
 
-    target = llm.engine.runner.model
+    target = llm.target_model()
     cfg = TrainConfig(steps=0, lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed,
                       unroll_weight=args.unroll_weight, autocast=_train_dtype(args.train_dtype, target.device))
     cfg.steps = args.steps or max(1, math.ceil(args.epochs * len(make_batches(samples, args.batch_tokens))))

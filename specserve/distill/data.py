@@ -157,7 +157,6 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
 
     Continues ``samples`` collected from prompt index ``start`` on (a resumed collection); ``on_batch(samples,
     next index)`` runs after every batch (the CLI saves a partial ``samples.pt`` there)."""
-    runner = llm.engine.runner
     chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def sink(req_id: str, pos: int, h: torch.Tensor, owned: bool) -> None:
@@ -166,7 +165,7 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
     samples = list(samples or [])
     generated, i = sum(len(s.token_ids) - s.prompt_len for s in samples), start
     bar = tqdm(total=num_tokens, initial=min(generated, num_tokens), desc="collect (target samples)", unit="tok")
-    with runner.observe_features(sink), contextlib.closing(bar):
+    with llm.observe_features(sink), contextlib.closing(bar):
         while generated < num_tokens:
             group = [prompts[(i + j) % len(prompts)] for j in range(batch)]
             greedy = greedy_every > 0 and (i // batch) % greedy_every == greedy_every - 1
@@ -177,7 +176,7 @@ def collect(llm: Any, prompts: list[Prompt], num_tokens: int, max_tokens: int, t
             outs = llm.generate(None, params, prompt_token_ids=[p.token_ids for p in group])
             i += batch
             for p, o in zip(group, outs, strict=True):
-                s = _sample(runner.model, p.token_ids, o.outputs[0].token_ids, chunks.pop(o.request_id, []), top_k)
+                s = _sample(llm.target_model(), p.token_ids, o.outputs[0].token_ids, chunks.pop(o.request_id, []), top_k)
                 if s is not None:
                     samples.append(s)
                     new = len(s.token_ids) - s.prompt_len
