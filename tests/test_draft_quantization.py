@@ -1,5 +1,6 @@
-"""A draft model's weights: 4-bit by default where the target runs on quantized kernels (a draft only
-proposes), as given by --speculative-quantization otherwise; greedy output is the target's either way."""
+"""A draft model's weights, its LM head included: 4-bit by default where the target runs on quantized kernels
+(a draft only proposes), as given by --speculative-quantization otherwise; greedy output is the target's
+either way."""
 
 import pytest
 
@@ -26,7 +27,7 @@ def pair(tmp_path_factory):
 
 def _bits(llm: LLM) -> set[int]:
     model = llm.engine.runner.drafter.model
-    return {m.bits for m in model.modules() if isinstance(m, PackedWeight) and m is not model.lm_head}
+    return {m.bits for m in model.modules() if isinstance(m, PackedWeight)}  # the LM head included
 
 
 def test_draft_is_4bit_under_a_quantized_target_and_exact(pair):

@@ -526,14 +526,15 @@ def quantizes(mode: str, state_dict: dict) -> bool:
 
 
 def make_packer(mode: str, kernels: str | None, state_dict: dict, device: torch.device, dtype: torch.dtype,
-                linear=F.linear):  # noqa: ANN001, ANN201 - the Linear seam; returns llama.Packer | None
+                linear=F.linear, quantize_head: bool = False):  # noqa: ANN001, ANN201 - returns decoder.Packer | None
     """What ``--quantization`` makes of a checkpoint's matmul weights, or None for a plain float model.
 
     - none: float (quantized GGUF tensors were dequantized by the loader);
     - auto: quantized GGUF tensors stay as the file has them, float tensors stay float; a checkpoint with no
       quantized tensor is a plain float model;
     - int4 / int8: every layer weight at that width (GGUF blocks of that width kept, others requantized);
-      the LM head stays as the file has it when quantized, else 8 bits (as llama.cpp's Q4 files keep it).
+      the LM head stays as the file has it when quantized, else 8 bits (as llama.cpp's Q4 files keep it);
+      with ``quantize_head`` (a draft model, whose LM head is a large share of its step) it is at that width too.
     Without a kernel for this platform (``kernels`` None) weights are dequantized, with one warning.
     """
     if not quantizes(mode, state_dict):
@@ -547,7 +548,7 @@ def make_packer(mode: str, kernels: str | None, state_dict: dict, device: torch.
 
     def packer(w: torch.Tensor | QuantizedTensor | QuantizedParts, name: str) -> PackedWeight:
         if bits is not None:
-            head = name in ("lm_head.weight", "model.embed_tokens.weight")
+            head = name in ("lm_head.weight", "model.embed_tokens.weight") and not quantize_head
             if not (isinstance(w, QuantizedTensor) and (head or w.bits == bits)):
                 w = quantize(w if isinstance(w, torch.Tensor) else w.dequantize(), 8 if head else bits, name)
         return pack(w, kernels, device, dtype, linear)

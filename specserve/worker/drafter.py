@@ -97,8 +97,9 @@ class Drafter:
             check_draft_vocabulary(spec_config.model or "", arch, ckpt.arch)
             tp = self.target.tp
             if tp is not None and self.config.draft_tensor_parallel_size > 1:
-                return self.build(ckpt, TensorParallel.create(ckpt.arch, tp.comm), quantization=mode)
-            return self.build(ckpt, quantization=mode)
+                return self.build(ckpt, TensorParallel.create(ckpt.arch, tp.comm), quantization=mode,
+                                  quantize_head=True)
+            return self.build(ckpt, quantization=mode, quantize_head=True)
         if spec_config.method == "eagle":
             head = load_eagle_head(spec_config.model or "", arch, self.target.lm_head_weight, self.dtype,
                                    self.platform.device, make_backend(self.platform.attention_backend),

@@ -86,11 +86,12 @@ class CachedRequest:
 
 
 def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int,
-                quantization: str = "none", tp: TensorParallel | None = None) -> DecoderModel:
-    """The model with its weights; with ``quantization`` (model/quant.py) its matmuls on packed weights;
-    with ``tp`` one rank's slice of it."""
+                quantization: str = "none", tp: TensorParallel | None = None, quantize_head: bool = False
+                ) -> DecoderModel:
+    """The model with its weights; with ``quantization`` (model/quant.py) its matmuls on packed weights
+    (``quantize_head``: the LM head at that width too); with ``tp`` one rank's slice of it."""
     packer = make_packer(quantization, platform.quant_kernels, ckpt.state_dict, platform.device, dtype,
-                         platform.linear(dtype))
+                         platform.linear(dtype), quantize_head)
     model = DecoderModel(ckpt.arch, dtype, platform.device, make_backend(platform.attention_backend),
                        max_positions, platform.linear(dtype) if packer is None else packed_linear,
                        make_ops(platform.device, dtype, platform.attention_backend), platform.moe_kernel,
@@ -152,11 +153,11 @@ class ModelRunner:
         self.embed = self.mirror.wrap("embed", self._embed)
 
     # -- start-up -------------------------------------------------------------------------------------------
-    def _build(self, ckpt: Checkpoint, tp: TensorParallel | None = None, quantization: str | None = None
-               ) -> DecoderModel:
+    def _build(self, ckpt: Checkpoint, tp: TensorParallel | None = None, quantization: str | None = None,
+               quantize_head: bool = False) -> DecoderModel:
         """A model built as the target is; ``quantization`` overrides the target's mode (a draft model's)."""
         return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64,
-                           quantization or self.config.model.quantization, tp)
+                           quantization or self.config.model.quantization, tp, quantize_head)
 
     def _drafts_here(self) -> bool:
         """Whether this rank needs a drafter: always on rank 0; on a follower only for mirrored draft calls."""
