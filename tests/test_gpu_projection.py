@@ -64,13 +64,21 @@ def test_project_combines_costs_and_acceptance():
         {"1": {}, "2": {}}  # no device figures on a CPU: nothing projected, nothing invented
 
 
+def test_shipped_acceptance_is_measured():
+    acc = gp.load_acceptance(gp.DEFAULT_ACCEPTANCE)
+    assert set(acc) == {"draft_model", "eagle_head"} and all(len(v) == 5 for v in acc.values())
+
+
 def test_placeholder_acceptance_is_refused(tmp_path, capsys):
+    placeholder = tmp_path / "placeholder.json"
+    placeholder.write_text(json.dumps({"_status": "PLACEHOLDER", "configurations": {
+        name: {"acceptance_per_position": [None] * 5} for name in ("draft_model", "eagle_head")}}))
     with pytest.raises(gp.AcceptanceMissing, match="draft_model, eagle_head is null"):
-        gp.load_acceptance(gp.DEFAULT_ACCEPTANCE)
+        gp.load_acceptance(str(placeholder))
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"costs": _costs()}))
     out = tmp_path / "out.json"
-    assert gp.main(["--costs", str(costs), "--acceptance", gp.DEFAULT_ACCEPTANCE, "--out", str(out)]) == 2
+    assert gp.main(["--costs", str(costs), "--acceptance", str(placeholder), "--out", str(out)]) == 2
     doc = json.loads(out.read_text())
     assert doc["projection"] is None and "placeholder" in doc["refused"]
     assert "projection refused" in capsys.readouterr().err
