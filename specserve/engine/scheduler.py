@@ -112,9 +112,9 @@ class Scheduler:
         return budget
 
     def _lookahead(self, req: Request, num_new: int) -> int:
-        """Draft slots to reserve past this step's tokens. NOTE: drafts never go past prompt + max_tokens
-        (the worker caps k), so neither do the slots: a request that fits the pool alone must never be
-        refused for lookahead it cannot use (that livelocked a request filling the pool exactly)."""
+        """Draft slots to reserve past this step's tokens. Drafts never go past prompt + max_tokens (the worker
+        caps k), so neither do the slots: a request that fits the pool alone is never refused for lookahead it
+        cannot use."""
         if not req.spec_enabled:
             return 0
         room = req.num_prompt_tokens + req.max_tokens - req.num_computed_tokens - num_new

@@ -183,11 +183,10 @@ class SpecController:
         """The prior c_1..c_K of a source: each position's decayed counts over all requests, on top of the
         position before it (position 1: ``prior_alpha``), with ``prior_weight`` pseudo-observations.
 
-        NOTE: a position is only observed when the controller drafts that deep, and it drafts that deep only
-        when the position looks worth it. A flat prior (0.6 for every position) kept an n-gram source that
-        was accepted 95% of the time at k = 3: its fourth and fifth drafts stayed near 0.6, so they never
-        looked worth verifying and were never tried. Chained, an untried position is assumed to do as the
-        one before it did, and the first passes that draft it correct that."""
+        A position is only observed when the controller drafts that deep, and it drafts that deep only when
+        the position looks worth it; so an untried position is assumed to do as the one before it did (a flat
+        prior would keep a source that is nearly always accepted from ever trying its deeper drafts), and the
+        first passes that draft it correct that."""
         rates = self._global_rates.get(source)
         if rates is None:
             g = self._global.get(source)
@@ -351,9 +350,9 @@ class SpecController:
         request's draft must catch up on (as the laggard changes, a head that has not drafted for a request
         first reads its whole context: about 65 us a token at batch 8 on the demo model).
 
-        NOTE: with B requests level with each other, a level needs all of them to accept, so moderate
-        acceptance rarely pays at batch 8: the measured chat batch then runs as without speculation instead
-        of paying verification for requests that end no sooner."""
+        With B requests level with each other, a level needs all of them to accept, so moderate acceptance
+        rarely pays at batch 8, and the plan is then no drafts rather than verification for requests that end
+        no sooner."""
         b = len(req_ids)
         gains = [self.gains(r, s) for r, s in zip(req_ids, sources)]
         free = [s in FREE_SOURCES for s in sources]
@@ -390,9 +389,8 @@ class SpecController:
         rows share the step, ``produced`` of them yield a token (decode rows; prefill rows yield none);
         ``catch_up[i]``: seconds request i's draft first spends on its backlog once it drafts at all.
 
-        NOTE: without that price an EAGLE head that had been idle for a request (prompt lookup drafted it, or
-        nothing paid) was picked for one draft worth half a token and first read a hundred backlog tokens:
-        3 ms each time on `code` at batch 8, a quarter of the step."""
+        The catch-up price keeps a draft that has been idle for a request (prompt lookup drafted it, or nothing
+        paid) from being picked for one draft worth half a token when it would first read a long backlog."""
         b = len(free)
         ks = [0] * b
         best_n, best_rate = 0, self._rate(b, other, 0, float(b + produced), 0, 0) * (1.0 + self.min_gain)
