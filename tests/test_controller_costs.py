@@ -19,38 +19,6 @@ def test_catch_up_price_without_spread_is_seconds_per_token_and_never_negative()
     assert catch_up_slope([(10, 0.5), (100, 0.2), (400, 0.1)]) == pytest.approx(0.1 / 400)
 
 
-def _measured_controller():
-    from specserve.spec_decode.controller import SpecController
-
-    c = SpecController(3)
-    for n in (1, 2, 3, 4, 8, 12, 16):  # the model sees cheap verification rows and a cheap draft: draft
-        c.record_target(n, 0.010 + 0.0005 * n)
-    c.record_draft(4, 0.001)
-    return c
-
-
-def test_steps_measured_slower_with_drafts_veto_them():
-    c = _measured_controller()
-    ids = ["a", "b", "c", "d"]
-    assert any(c.choose_ks(ids))  # the model alone says draft
-    for _ in range(6):  # but whole steps with drafts took 40 ms a token, without 10 ms
-        c.record_step(4, True, 8, 0.320)
-        c.record_step(4, False, 4, 0.040)
-    assert c.realized_veto(4) and not c.realized_veto(1)
-    plans = [c.choose_ks(ids) for _ in range(40)]
-    off = sum(1 for ks in plans if not any(ks))
-    assert 28 <= off < 40  # off, with a recheck of the plan now and then (and the controller's exploration)
-
-
-def test_steps_measured_faster_with_drafts_keep_them():
-    c = _measured_controller()
-    for _ in range(6):
-        c.record_step(4, True, 12, 0.060)
-        c.record_step(4, False, 4, 0.040)
-    assert not c.realized_veto(4)
-    assert any(c.choose_ks(["a", "b", "c", "d"]))
-
-
 def test_an_off_probe_goes_to_the_request_with_the_least_backlog():
     from specserve.spec_decode.controller import SpecController
 

@@ -170,10 +170,6 @@ class SpecController:
         self._tree_acc = 0.0
         self._catch_up = 0.0  # seconds per token a draft spends catching up on a backlog (0: unmeasured)
         self._catch_samples: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of catch-up calls
-        # The model's check: decayed (seconds, tokens, steps) of whole decode steps per (batch, drafted), and
-        # the veto it gives (``realized_veto``), with a recheck of the plan every so often while vetoed.
-        self._realized: dict[tuple[int, bool], list[float]] = {}
-        self._vetoes = 0
 
     @property
     def global_rates(self) -> list[float]:
@@ -239,23 +235,6 @@ class SpecController:
         self._catch_samples.append((tokens, seconds))
         self._catch_up = catch_up_slope(self._catch_samples)
 
-    def record_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A whole decode step of ``batch`` requests (no prefill in it) emitted ``tokens`` in ``seconds``:
-        target, verification, and the drafting of the drafts it verified. ``drafted``: most of its requests
-        verified drafts (False: none did)."""
-        r = self._realized.setdefault((batch, drafted), [0.0, 0.0, 0.0])
-        r[0], r[1], r[2] = 0.9 * r[0] + seconds, 0.9 * r[1] + tokens, 0.9 * r[2] + 1.0
-
-    def realized_veto(self, batch: int) -> bool:
-        """Whether steps with drafts have measured slower per token than steps without at this batch size
-        (each side at least 4 recent steps). The cost model prices the target and the draft steps; this
-        catches what it does not see (bookkeeping, a draft's catch-ups, contention), so that speculation
-        is never kept where it measurably loses."""
-        spec, plain = self._realized.get((batch, True)), self._realized.get((batch, False))
-        if spec is None or plain is None or min(spec[2], plain[2]) < 4 or not spec[1] or not plain[1]:
-            return False
-        return spec[0] / spec[1] > plain[0] / plain[1] * (1.0 + self.min_gain)
-
     def record_draft(self, num_reqs: int, seconds_per_step: float) -> None:
         self.draft_cost.add(num_reqs, seconds_per_step)
         for observer in self.cost_observers:
@@ -300,12 +279,6 @@ class SpecController:
             lag = backlog or [0] * len(req_ids)
             ks = self._best(req_ids, srcs, other_tokens, lag) if remaining is None or len(req_ids) == 1 \
                 else self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
-            if any(ks) and self.realized_veto(len(req_ids)):
-                # measured slower with drafts: off, but every 16th vetoed step runs the plan for 4 steps
-                # (measuring steps with drafts again: the load may have changed)
-                self._vetoes += 1
-                if self._vetoes % 20 >= 4:
-                    ks = [0] * len(req_ids)
             self._since_explore += 1
             if self._since_explore >= self._explore_gap:  # keep the estimates honest around the optimum
                 self._since_explore = 0

@@ -132,7 +132,6 @@ class ModelRunner:
         # follower rank that mirrors no draft call (ngram; a draft model on rank 0 alone).
         self.drafter = Drafter(config, platform, self.dtype, self.model, self.max_model_len + 64, self._build,
                                self.mirror) if config.speculative.enabled and self._drafts_here() else None
-        self._last_propose_s = 0.0  # the last step's proposal: the drafts the next step verifies
         # Receives the target's pre-norm features of every row (a drafter that reads them; `specserve distill`
         # sets its own through observe_features).
         self.feature_sink: FeatureSink | None = \
@@ -325,24 +324,9 @@ class ModelRunner:
         sampled = {r.req_id: em for r, em in zip(sample_rows, emitted)}
         if sink is not None and prenorm is not None:
             sink_features(rows, sampled, prenorm, sink)
-        if drafter is None:
-            return ModelRunnerOutput(sampled, {}, logprobs, {}, sources, prompt_logprobs)
-        t1 = time.perf_counter()
-        spec_token_ids, spec_parents = self._propose(sample_rows, emitted, so.draining)
-        self._record_step(so, sample_rows, sum(len(em) for em in emitted), t1 - t0, time.perf_counter() - t1)
+        spec_token_ids, spec_parents = self._propose(sample_rows, emitted, so.draining) if drafter is not None \
+            else ({}, {})
         return ModelRunnerOutput(sampled, spec_token_ids, logprobs, spec_parents, sources, prompt_logprobs)
-
-    def _record_step(self, so: SchedulerOutput, rows: list[ScheduledRequest], tokens: int, seconds: float,
-                     propose_s: float) -> None:
-        """A decode step's whole cost for the controller's check (``SpecController.record_step``): its target
-        and verification, plus the proposal that made the drafts it verified (the previous step's)."""
-        assert self.drafter is not None
-        last, self._last_propose_s = self._last_propose_s, propose_s
-        if len(rows) != len(so.rows) or so.total_tokens != sum(1 + r.num_spec_tokens for r in rows):
-            return  # a prefill shares the step
-        drafting = sum(1 for r in rows if r.num_spec_tokens)
-        if drafting == 0 or 2 * drafting >= len(rows):
-            self.drafter.controller.record_step(len(rows), drafting > 0, tokens, seconds + last)
 
     def _prompt_scores(self, rows: list[ScheduledRequest]
                        ) -> tuple[tuple[list[int], list[int], int] | None, list[tuple[str, int, int, int]]]:
