@@ -249,12 +249,9 @@ class SpecController:
         return [(a + w * p) / (t + w) for a, t, p in zip(acc.acc, acc.tried, g)]
 
     def gains(self, req_id: str, source: Source = Source.METHOD) -> list[float]:
-        """m_j = c_1 ... c_j: expected tokens draft j adds (non-increasing in j)."""
-        out, m = [], 1.0
-        for c in self.rates(req_id, source)[:self.max_k]:
-            m *= c
-            out.append(m)
-        return out
+        """m_j = c_1 ... c_j of ``rates``: expected tokens draft j adds (non-increasing in j)."""
+        return gains_over_prior(self.states.acceptance(req_id, source), self._global_of(source)[:self.max_k],
+                                self.prior_weight)
 
     # -- decision -------------------------------------------------------------------------------------------
     def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[Source] | None = None,

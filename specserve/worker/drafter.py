@@ -90,9 +90,9 @@ class Drafter:
     # -- start-up -------------------------------------------------------------------------------------------
     def _load_draft_model(self) -> DecoderModel | EagleHead | None:
         spec_config, arch = self.spec_config, self.target.arch
+        target_quantized = getattr(self.target, "linear", None) is packed_linear
         if spec_config.method == "draft":
-            mode = spec_config.quantization or ("int4" if getattr(self.target, "linear", None) is packed_linear
-                                                else self.config.model.quantization)
+            mode = spec_config.quantization or ("int4" if target_quantized else self.config.model.quantization)
             ckpt = load_checkpoint(spec_config.model or "", keep_quantized=mode != "none")
             check_draft_vocabulary(spec_config.model or "", arch, ckpt.arch)
             tp = self.target.tp
@@ -106,7 +106,7 @@ class Drafter:
                                    self.max_positions)
             # A quantized target on the CPU kernels: the head's weights go 8-bit too and its layer runs through
             # the target's fused ops (drafts are verified, so the output cannot change).
-            if getattr(self.target, "linear", None) is packed_linear and self.platform.quant_kernels == "cpu":
+            if target_quantized and self.platform.quant_kernels == "cpu":
                 head.pack_weights(self.target.ops)
             return head
         return None
