@@ -3,6 +3,7 @@ and whether greedy outputs agree (issue: "the numbers are the file's own").
 
     .venv/bin/python benchmarks/quant_accuracy.py                        # demo GGUF, 8 chat + 8 code prompts
     .venv/bin/python benchmarks/quant_accuracy.py --modes auto,int8,int4 --num-prompts 4 --max-tokens 64
+    .venv/bin/python benchmarks/quant_accuracy.py --modes auto,auto:a8      # a8: 8-bit activations
 
 For every mode: the largest |logit difference| over every position of every prompt's reference output
 (teacher-forced: both models read the same tokens), and on how many prompts the greedy outputs of
@@ -43,7 +44,9 @@ def compare(model: str | None, modes: list[str], prompts: list[list[int]], max_t
     del ref_llm
     rows = []
     for mode in modes:
-        llm = LLM(model, quantization=mode, dtype="float32", device="cpu", num_blocks=512)
+        quant, _, act = mode.partition(":a")  # "auto:a8": --activation-bits 8
+        llm = LLM(model, quantization=quant, dtype="float32", device="cpu", num_blocks=512,
+                  activation_bits=int(act or 16))
         out = [o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=prompts)]
         delta = max(float((logits_of(llm, p + r) - rl).abs().max()) for p, r, rl in zip(prompts, ref, ref_logits))
         rows.append({"mode": mode, "max_abs_logit_delta": delta, "greedy_equal": sum(a == b for a, b in zip(ref, out)),
@@ -55,7 +58,7 @@ def compare(model: str | None, modes: list[str], prompts: list[list[int]], max_t
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file or HF dir (default: the embedded demo model)")
-    ap.add_argument("--modes", default="auto,int8,int4")
+    ap.add_argument("--modes", default="auto,int8,int4", help="--quantization modes; MODE:a8 with 8-bit activations")
     ap.add_argument("--datasets", default="chat,code")
     ap.add_argument("--num-prompts", type=int, default=8, help="per dataset")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -73,9 +76,9 @@ def main() -> int:
                for name in args.datasets.split(",") for item in load_dataset(name)[:args.num_prompts]]
     print(f"CPU: {cpu_class()}; {torch.get_num_threads()} threads; {len(prompts)} prompts, greedy "
           f"{args.max_tokens} tokens; reference: --quantization none (dequantized, float32)")
-    print(f"{'mode':<6} {'max |logit delta|':>18} {'greedy outputs equal':>22}  weights")
+    print(f"{'mode':<8} {'max |logit delta|':>18} {'greedy outputs equal':>22}  weights")
     for r in compare(args.model, args.modes.split(","), prompts, args.max_tokens):
-        print(f"{r['mode']:<6} {r['max_abs_logit_delta']:>18.2e} {r['greedy_equal']:>14} of {r['prompts']:<5}  "
+        print(f"{r['mode']:<8} {r['max_abs_logit_delta']:>18.2e} {r['greedy_equal']:>14} of {r['prompts']:<5}  "
               f"{r['weights']}")
     return 0
 

@@ -35,7 +35,8 @@ def measure(ckpt, dtype: torch.dtype, quantization: str, prompt: torch.Tensor, c
 
     block_size = 16
     platform = detect("cpu")
-    model = build_model(ckpt, platform, dtype, ctx + 64, quantization)
+    quant, _, act = quantization.partition(":a")  # "auto:a8": --activation-bits 8
+    model = build_model(ckpt, platform, dtype, ctx + 64, quant, activation_bits=int(act or 16))
     kv_dtype = resolve_kv_dtype(platform, "auto", dtype)  # the engine's default cache
     kv = [torch.zeros(model.kv_cache_shape(len(table) + 1, block_size), dtype=kv_dtype)
           for _ in range(ckpt.arch.num_layers)]
@@ -61,7 +62,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target (default: the embedded demo model)")
     ap.add_argument("--dtypes", default=None, help="default: float32, and bfloat16 where the CPU has bf16 hardware")
-    ap.add_argument("--quantizations", default="none,auto,int8,int4")
+    ap.add_argument("--quantizations", default="none,auto,int8,int4",
+                    help="--quantization modes; MODE:a8 with 8-bit activations (--activation-bits 8)")
     ap.add_argument("--threads", default=None, help="intra-op thread counts, e.g. 1,2 (default: what serve uses)")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=15)
@@ -80,7 +82,7 @@ def main() -> int:
     prompt = torch.randint(0, ckpt.arch.vocab_size, (ctx + max(TOKEN_COUNTS),), generator=gen)
     print(f"{ckpt.arch.architecture} {ckpt.arch.num_layers} layers, hidden {ckpt.arch.hidden_size}; context {ctx}; "
           f"CPU: {cpu_class()}; torch {torch.__version__}")
-    header = "threads dtype    quant " + "".join(f"  T={t:<2} ms (x)  " for t in TOKEN_COUNTS) + \
+    header = "threads dtype    quant   " + "".join(f"  T={t:<2} ms (x)  " for t in TOKEN_COUNTS) + \
         "  row-0 logits differing from T=1"
     print(header)
     for n in threads:
@@ -89,7 +91,7 @@ def main() -> int:
             for quant in args.quantizations.split(","):
                 med, ratio, diffs = measure(ckpt, getattr(torch, name), quant, prompt, ctx, table, args.repeats)
                 cells = "".join(f"  {med[t]:6.1f} ({ratio[t]:.2f}) " for t in TOKEN_COUNTS)
-                print(f"{n:<8}{name:<9}{quant:<6}{cells}  {max(diffs.values())} of {ckpt.arch.vocab_size}",
+                print(f"{n:<8}{name:<9}{quant:<8}{cells}  {max(diffs.values())} of {ckpt.arch.vocab_size}",
                       flush=True)
     return 0
 

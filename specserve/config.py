@@ -134,12 +134,19 @@ class ModelConfig:
         "weight-only quantization: auto keeps a Q4_0/Q4_1/Q8_0 GGUF in its blocks and float checkpoints "
         "float; none dequantizes; int8/int4 quantize every layer weight (groups of 32)", short="-q",
         choices=QUANTIZATIONS))
+    activation_bits: int = field(default=16, metadata=flag(
+        "the grid the CPU kernels round activations to before their integer products, per group of 32: 16 "
+        "(fidelity: 1/65534 of a group's largest value) or 8 (llama.cpp's Q8 activations: about half the "
+        "work of each extra row, so verification and batches cost less, at a fidelity cost; see "
+        "docs/quantization.md). A draft model follows the target. GPUs ignore it"))
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 8 or 16, got {self.activation_bits!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
 

@@ -801,3 +801,43 @@ def test_chi2_moe_target_sampled_with_a_draft(tiny):
     assert min(pv) > 0.01
     spec = llm.get_metrics()["speculative"]
     assert spec["draft_tokens"] >= n // 2 and 0 < spec["accepted_tokens"] < spec["draft_tokens"]
+
+
+# -- sampling with a trained EAGLE head as the proposer -------------------------------------------------------------
+QWEN_PAIR_TARGET = os.path.expanduser("~/.cache/specserve-bench/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+QWEN_HEAD = os.path.join(os.path.dirname(__file__), os.pardir, "specserve", "data", "drafts",
+                         "qwen2.5-coder-1.5b-instruct-eagle")
+
+
+def chi2_with_shipped_head(target: str | None, head: str, text: str, n: int) -> None:
+    """``n`` seeded requests of one chat prompt, 4 sampled tokens each (temperature 1, top-k 4), the shipped head
+    drafting k = 2 with speculation forced on: the first token and the marginals of tokens 1-3 (most of them
+    verified drafts) must follow the target's distribution, computed from its logits."""
+    from tests.test_rejection import chi2_pvalue, position
+
+    llm = LLM(target, speculative_method="eagle", speculative_model=head, num_speculative_tokens=2,
+              speculative_adaptive=False, num_blocks=512, max_num_seqs=64, dtype="float32", device="cpu")
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    outs = [o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=[prompt] * n)]
+    p = top_k_target_probs(llm.target_model(), prompt, 4, positions=4)
+    pv = [chi2_pvalue(position(outs, j), p[j]) for j in range(4)]
+    spec = llm.get_metrics()["speculative"]
+    print(f"trained head chi2 p-values, tokens 0-3: {' '.join(f'{v:.3g}' for v in pv)}; {spec}")
+    assert min(pv) > 0.01
+    # the head really drafted, and the target both took and refused its drafts
+    assert spec["draft_tokens"] >= n and 0 < spec["accepted_tokens"] < spec["draft_tokens"]
+
+
+@pytest.mark.slow
+@needs_cpu_kernels
+def test_chi2_sampled_with_the_demo_models_trained_head():
+    chi2_with_shipped_head(None, SHIPPED_HEAD, "Name three colours.", 3000)
+
+
+@pytest.mark.slow
+@needs_cpu_kernels
+@pytest.mark.skipif(not os.path.exists(QWEN_PAIR_TARGET),
+                    reason="the Qwen2.5-Coder-1.5B file is not cached (benchmarks/fetch_models.sh fetches it)")
+def test_chi2_sampled_with_the_qwen_pairs_trained_head():
+    chi2_with_shipped_head(QWEN_PAIR_TARGET, QWEN_HEAD, "Write a Python function that reverses a string.", 1500)

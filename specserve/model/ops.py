@@ -84,7 +84,7 @@ class CpuFusedOps(TorchOps):
         h, delta, kept = torch.ops.specserve_cpu.decoder_stack(
             h, *args[0], positions, *args[1], kv_caches, meta.slot_mapping, meta.block_tables,
             meta.query_start_loc, meta.seq_lens, *args[2], sorted(t - 1 for t in taps if t <= len(layers)),
-            *args[3], meta.tree_base, meta.tree_mask)
+            *args[3], meta.tree_base, meta.tree_mask, args[4])
         return h, delta, kept
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
@@ -128,7 +128,7 @@ def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor
                 ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]] | None:
     """The layer's arguments as ``decoder_layer`` takes them (those before the positions: norms, eps, the
     matmul weights; those after the attention metadata: head counts, scale, window; the second q/k/v part's
-    codes, scales, mins, or Nones), or None where the layer cannot run as one call (a float weight, chunked
+    codes, scales, mins, or Nones, then the activation bits), or None where the layer cannot run as one call (a float weight, chunked
     norms, q/k norms, a head_dim the attention kernel does not take). Worked out once per layer and kept on it;
     the identity check of the matmul modules (plain dict reads: a module attribute read costs about a
     microsecond, and this runs for every layer of every step) notices weights that were loaded again."""
@@ -142,7 +142,8 @@ def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor
     if isinstance(qkv, ConcatWeight) and len(qkv.parts) == 2:  # two formats: both parts in the one call
         qkv, qkv2 = qkv.parts
     mats: tuple[Any, ...] = (qkv, a.o, mlp.gate_up, mlp.down)
-    ok = (all(isinstance(w, CpuQuantWeight) for w in (*mats, qkv2 or qkv)) and a.q_norm is None
+    ok = (all(isinstance(w, CpuQuantWeight) for w in (*mats, qkv2 or qkv))
+          and len({w.act_bits for w in (*mats, qkv2 or qkv)}) == 1 and a.q_norm is None
           and layer.input_norm.chunks == 1
           and a.reduce is None and mlp.reduce is None
           and layer.attn_out_norm is None and isinstance(mlp, GatedMLP) and mlp.act == "silu"
@@ -155,7 +156,7 @@ def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor
             head += [w.packed, w.scales, w.mins]
             if w is qkv:
                 head.append(a.qkv_bias)
-        second = (None, None, None) if qkv2 is None else (qkv2.packed, qkv2.scales, qkv2.mins)
+        second = ((None, None, None) if qkv2 is None else (qkv2.packed, qkv2.scales, qkv2.mins)) + (qkv.act_bits,)
         args = (tuple(head), (a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0), second)
     layer.__dict__["_fused_args"] = (mats_now, args)
     return args
@@ -170,9 +171,9 @@ def _matmuls(layer: DecoderLayer) -> tuple[Any, ...]:
 
 
 def _stack_args(layers: list[DecoderLayer], ropes: list[RotaryEmbedding], kv_caches: list[torch.Tensor]
-                ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]] | None:
+                ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], int] | None:
     """``decoder_stack``'s per-layer arguments as lists (those before the positions, the rope tables, those
-    after the metadata), or None unless every layer runs as one ``decoder_layer`` call with the same eps, head
+    after the metadata, the second q/k/v parts), then the activation bits, or None unless every layer runs as one ``decoder_layer`` call with the same eps, head
     counts and scale. Kept on the first layer (per layer count), rebuilt when a layer's weights or rope changed
     (identity checks, as ``_fused_args``)."""
     if not layers or len(layers) != len(kv_caches):
@@ -184,16 +185,16 @@ def _stack_args(layers: list[DecoderLayer], ropes: list[RotaryEmbedding], kv_cac
         return cached[1]
     per = [_fused_args(layer, kv) for layer, kv in zip(layers, kv_caches)]
     args = None
-    if all(p is not None for p in per) and len({(p[0][2], *p[1][:3]) for p in per}) == 1:  # type: ignore[index]
+    if all(p is not None for p in per) and len({(p[0][2], *p[1][:3], p[2][3]) for p in per}) == 1:  # type: ignore[index]
         heads = [p[0] for p in per]  # type: ignore[index]
         cols = list(zip(*heads))  # input_norm, post_norm, eps, then (codes, scales, mins[, bias]) per matmul
         lists = [list(c) for c in cols]
         eps = heads[0][2]
         before = (lists[0], lists[1], eps, *lists[3:])
         n_heads, n_kv, scale = per[0][1][:3]  # type: ignore[index]
-        seconds = [p[2] for p in per]  # type: ignore[index]
+        seconds = [p[2][:3] for p in per]  # type: ignore[index]
         args = (before, ([r.cos for r in ropes], [r.sin for r in ropes]),
                 (n_heads, n_kv, scale, [p[1][3] for p in per]),  # type: ignore[index]
-                tuple([list(c) for c in zip(*seconds)]))
+                tuple([list(c) for c in zip(*seconds)]), per[0][2][3])  # type: ignore[index]
     cache[len(layers)] = (ident, args)
     return args

@@ -321,10 +321,27 @@ class CpuQuantWeight(_Quantized):
         mins = None if self.mins is None else values(self.mins, 1)
         return QuantizedTensor(self.bits, codes, values(self.scales, self.halves), mins)
 
+    act_bits = 16  # the activations' grid (8 or 16 bits per group of 32); set_activation_bits sets it
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 4:
-            return torch.ops.specserve_cpu.q4_mm(x, self.packed, self.scales, self.mins)
-        return torch.ops.specserve_cpu.q8_mm(x, self.packed, self.scales)
+            return torch.ops.specserve_cpu.q4_mm(x, self.packed, self.scales, self.mins, self.act_bits)
+        return torch.ops.specserve_cpu.q8_mm(x, self.packed, self.scales, self.act_bits)
+
+
+def set_activation_bits(model: nn.Module, bits: int) -> int:
+    """Round the activations of every CPU-kernel matmul in ``model`` to a ``bits`` grid (8 or 16) from now
+    on; returns how many weights took it. The fused layers' cached arguments are dropped so they pick it up."""
+    if bits not in (8, 16):
+        raise ValueError(f"activation bits must be 8 or 16, got {bits!r}")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, CpuQuantWeight):
+            m.act_bits = bits
+            n += 1
+        m.__dict__.pop("_fused_args", None)
+        m.__dict__.pop("_stack_args", None)
+    return n
 
 
 def _blob(sub: torch.Tensor, sup: torch.Tensor, halves: int, tiled: bool) -> torch.Tensor:

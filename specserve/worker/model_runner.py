@@ -24,7 +24,14 @@ from specserve.model.checkpoint.loader import Checkpoint
 from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleHead
 from specserve.model.ops import make_ops
-from specserve.model.quant import describe_weights, make_packer, packed_linear, quantizes, weight_bytes
+from specserve.model.quant import (
+    describe_weights,
+    make_packer,
+    packed_linear,
+    quantizes,
+    set_activation_bits,
+    weight_bytes,
+)
 from specserve.model.sharding import Comm, TensorParallel
 from specserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.platform import (
@@ -86,10 +93,11 @@ class CachedRequest:
 
 
 def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int,
-                quantization: str = "none", tp: TensorParallel | None = None, quantize_head: bool = False
-                ) -> DecoderModel:
+                quantization: str = "none", tp: TensorParallel | None = None, quantize_head: bool = False,
+                activation_bits: int = 16) -> DecoderModel:
     """The model with its weights; with ``quantization`` (model/quant.py) its matmuls on packed weights
-    (``quantize_head``: the LM head at that width too); with ``tp`` one rank's slice of it."""
+    (``quantize_head``: the LM head at that width too; ``activation_bits``: the CPU kernels' activation grid);
+    with ``tp`` one rank's slice of it."""
     packer = make_packer(quantization, platform.quant_kernels, ckpt.state_dict, platform.device, dtype,
                          platform.linear(dtype), quantize_head)
     model = DecoderModel(ckpt.arch, dtype, platform.device, make_backend(platform.attention_backend),
@@ -97,6 +105,7 @@ def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_po
                        make_ops(platform.device, dtype, platform.attention_backend), platform.moe_kernel,
                        platform.linear(dtype), tp)
     model.load_weights(ckpt.state_dict, packer)
+    set_activation_bits(model, activation_bits)
     log.info("weights: %s%s", describe_weights(model), f" ({weight_bytes(model) / ckpt.file_tensor_bytes:.2f}x "
              f"the file's {ckpt.file_tensor_bytes / 2**20:.0f} MiB)" if ckpt.file_tensor_bytes else "")
     return model.eval()
@@ -157,7 +166,8 @@ class ModelRunner:
                quantize_head: bool = False) -> DecoderModel:
         """A model built as the target is; ``quantization`` overrides the target's mode (a draft model's)."""
         return build_model(ckpt, self.platform, self.dtype, self.max_model_len + 64,
-                           quantization or self.config.model.quantization, tp, quantize_head)
+                           quantization or self.config.model.quantization, tp, quantize_head,
+                           self.config.model.activation_bits)
 
     def _drafts_here(self) -> bool:
         """Whether this rank needs a drafter: always on rank 0; on a follower only for mirrored draft calls."""

@@ -68,7 +68,7 @@ struct Rows {
   std::vector<float> dv;   // [M, B, 8]
   std::vector<float> sum;  // [M, G]
 };
-Rows quantize_rows(const float* x, int64_t M, int64_t K) {
+Rows quantize_rows(const float* x, int64_t M, int64_t K, float levels) {
   const int64_t G = K / kGroup, B = (G + 1) / 2;
   Rows o{G, B, std::vector<int16_t>(M * B * 64), std::vector<float>(M * B * 8), std::vector<float>(M * G)};
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -80,8 +80,8 @@ Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       for (int j = 0; j < 4; ++j) { v[j] = _mm256_loadu_ps(xg + 8 * j); mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j])); sm = _mm256_add_ps(sm, v[j]); }
       __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4)); m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float amax = _mm_cvtss_f32(m4), d = amax / 32767.f;
-      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+      const float amax = _mm_cvtss_f32(m4), d = amax / levels;
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? levels / amax : 0.f);
       __m256i c[4];
       for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
       // packs per 128-bit lane: [c0 0-3, c1 0-3 | c0 4-7, c1 4-7] -> permute 64-bit quarters into order
@@ -327,33 +327,38 @@ constexpr int64_t kPrefetch = 4096;
 // Activation rows for the tiled kernels: per group of a row, the 32 high bytes h then the 32 low bytes l of
 // the codes c = round(x / d) = 256 h + l (h = (c + 128) >> 8, so h and l are in [-128, 127]).
 struct Rows16 {
-  int64_t G;
-  std::vector<int8_t> q;       // [M, G, 64]
-  std::vector<float> d;        // [M, G] scales max|x| / 32512
+  int64_t G, stride;           // stride: bytes per group, 64 (16-bit codes as h, l) or 32 (8-bit codes)
+  std::vector<int8_t> q;       // [M, G, stride]
+  std::vector<float> d;        // [M, G] scales max|x| / 32512 (8-bit: / 127)
   std::vector<float> sum;      // [M, G] fp32 sums of x (the 4-bit min term)
   std::vector<int32_t> c128;   // [M, G] 128 * sum of the codes (the 8-bit + 128 offset)
   std::vector<int32_t> c128h;  // [M, G, 2] the same for each half group (codes 0-15, 16-31: Blob16<2> scales)
 };
-Rows16 quantize_rows16(const float* x, int64_t M, int64_t K) {
-  const int64_t G = K / kGroup;
-  constexpr float kLevels = 32512.f;
-  Rows16 o{G, std::vector<int8_t>(M * G * 64), std::vector<float>(M * G), std::vector<float>(M * G),
+Rows16 quantize_rows16(const float* x, int64_t M, int64_t K, bool a8) {
+  const int64_t G = K / kGroup, stride = a8 ? 32 : 64;
+  const float kLevels = a8 ? 127.f : 32512.f;
+  Rows16 o{G, stride, std::vector<int8_t>(M * G * stride), std::vector<float>(M * G), std::vector<float>(M * G),
            std::vector<int32_t>(M * G), std::vector<int32_t>(M * G * 2)};
   const __m512i k128 = _mm512_set1_epi32(128);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const float* xg = x + m * K + g * kGroup;
-      int8_t* dst = o.q.data() + (m * G + g) * 64;
+      int8_t* dst = o.q.data() + (m * G + g) * stride;
       const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? kLevels / amax : 0.f);
       const __m512i ca = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), cb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(ca, k128), 8), hb = _mm512_srai_epi32(_mm512_add_epi32(cb, k128), 8);
-      const __m512i la = _mm512_sub_epi32(ca, _mm512_slli_epi32(ha, 8)), lb = _mm512_sub_epi32(cb, _mm512_slli_epi32(hb, 8));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(ha));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(hb));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm512_cvtsepi32_epi8(la));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm512_cvtsepi32_epi8(lb));
+      if (a8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(ca));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(cb));
+      } else {
+        const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(ca, k128), 8), hb = _mm512_srai_epi32(_mm512_add_epi32(cb, k128), 8);
+        const __m512i la = _mm512_sub_epi32(ca, _mm512_slli_epi32(ha, 8)), lb = _mm512_sub_epi32(cb, _mm512_slli_epi32(hb, 8));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(ha));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(hb));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm512_cvtsepi32_epi8(la));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm512_cvtsepi32_epi8(lb));
+      }
       o.d[m * G + g] = amax / kLevels;
       o.sum[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
       o.c128h[(m * G + g) * 2] = 128 * _mm512_reduce_add_epi32(ca);
@@ -396,7 +401,7 @@ template <int H> struct Blob16 {
 
 // Rows m0 .. m0 + R of y, column tiles [t0, t1). With half-group scales (8-bit codes, Blob16<2>) chunks 0-3
 // (codes 0-15) and 4-7 (16-31) are summed and scaled apart.
-template <bool kQ4, typename Sc, int R>
+template <bool kQ4, bool kA8, typename Sc, int R>
 void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float* y, int64_t N, int64_t m0,
             int64_t t0, int64_t t1) {
   const int64_t G = xq.G, bytes = kQ4 ? 256 : 512;
@@ -424,10 +429,18 @@ void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, fl
         const __m512 ws2 = sc.at(t, g, 1, sup);
         for (int r = 0; r < R; ++r) {
           const int64_t row = m0 + r;
-          const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + (row * G + g) * 64);
+          const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + (row * G + g) * xq.stride);
           __m512i s[2];
           for (int half = 0; half < 2; ++half) {
             __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+            if constexpr (kA8) {
+              h0 = _mm512_dpbusd_epi32(h0, w[4 * half], _mm512_set1_epi32(xr[4 * half]));
+              h1 = _mm512_dpbusd_epi32(h1, w[4 * half + 1], _mm512_set1_epi32(xr[4 * half + 1]));
+              h0 = _mm512_dpbusd_epi32(h0, w[4 * half + 2], _mm512_set1_epi32(xr[4 * half + 2]));
+              h1 = _mm512_dpbusd_epi32(h1, w[4 * half + 3], _mm512_set1_epi32(xr[4 * half + 3]));
+              s[half] = _mm512_sub_epi32(_mm512_add_epi32(h0, h1), _mm512_set1_epi32(xq.c128h[(row * G + g) * 2 + half]));
+              continue;
+            }
             for (int j = 4 * half; j < 4 * half + 4; j += 2) {
               h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(xr[j]));
               h1 = _mm512_dpbusd_epi32(h1, w[j + 1], _mm512_set1_epi32(xr[j + 1]));
@@ -447,16 +460,26 @@ void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, fl
       if constexpr (kQ4) wm = mins.at(t, g, 0, msup);
       for (int r = 0; r < R; ++r) {
         const int64_t row = m0 + r;
-        const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + (row * G + g) * 64);
-        // 256 (w . h) + w . l, in four independent chains (integer sums: any order gives the same result)
-        __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-        for (int j = 0; j < 8; j += 2) {
-          h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(xr[j]));
-          h1 = _mm512_dpbusd_epi32(h1, w[j + 1], _mm512_set1_epi32(xr[j + 1]));
-          l0 = _mm512_dpbusd_epi32(l0, w[j], _mm512_set1_epi32(xr[8 + j]));
-          l1 = _mm512_dpbusd_epi32(l1, w[j + 1], _mm512_set1_epi32(xr[9 + j]));
+        const int32_t* xr = reinterpret_cast<const int32_t*>(xq.q.data() + (row * G + g) * xq.stride);
+        // 256 (w . h) + w . l (8-bit: w . c), in independent chains (integer sums: any order gives the same)
+        __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0, s;
+        if constexpr (kA8) {
+          for (int j = 0; j < 8; j += 4) {
+            h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(xr[j]));
+            h1 = _mm512_dpbusd_epi32(h1, w[j + 1], _mm512_set1_epi32(xr[j + 1]));
+            l0 = _mm512_dpbusd_epi32(l0, w[j + 2], _mm512_set1_epi32(xr[j + 2]));
+            l1 = _mm512_dpbusd_epi32(l1, w[j + 3], _mm512_set1_epi32(xr[j + 3]));
+          }
+          s = _mm512_add_epi32(_mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1));
+        } else {
+          for (int j = 0; j < 8; j += 2) {
+            h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(xr[j]));
+            h1 = _mm512_dpbusd_epi32(h1, w[j + 1], _mm512_set1_epi32(xr[j + 1]));
+            l0 = _mm512_dpbusd_epi32(l0, w[j], _mm512_set1_epi32(xr[8 + j]));
+            l1 = _mm512_dpbusd_epi32(l1, w[j + 1], _mm512_set1_epi32(xr[9 + j]));
+          }
+          s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
         }
-        __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
         if constexpr (!kQ4) s = _mm512_sub_epi32(s, _mm512_set1_epi32(xq.c128[row * G + g]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(xq.d[row * G + g])), acc[r]);
         if constexpr (kQ4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xq.sum[row * G + g]), acc[r]);
@@ -465,7 +488,7 @@ void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, fl
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + t * kTile16, acc[r]);
   }
 }
-template <bool kQ4, typename Sc>
+template <bool kQ4, bool kA8, typename Sc>
 void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const Sc& sc, const Sc& mins, float* yp, int64_t M, int64_t N) {
   // A thread's tiles in blocks of kTileBlock, each block over every row tile: a block's weights stay in cache
   // while a long prompt's rows pass (a decode step has one row tile, one pass).
@@ -474,12 +497,13 @@ void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const Sc& sc, const Sc& 
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileBlock) {
       const int64_t t1 = std::min(t_end, t0 + kTileBlock);
       for (int64_t m0 = 0; m0 < M; m0 += kRows16)
-        with_rows<kRows16>(M - m0, [&](auto r) { tile16<kQ4, Sc, decltype(r)::value>(xq, qp, sc, mins, yp, N, m0, t0, t1); });
+        with_rows<kRows16>(M - m0, [&](auto r) { tile16<kQ4, kA8, Sc, decltype(r)::value>(xq, qp, sc, mins, yp, N, m0, t0, t1); });
     }
   });
 }
 template <bool kQ4>
-at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc, const c10::optional<at::Tensor>& mins) {
+at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc, const c10::optional<at::Tensor>& mins,
+                    int64_t act_bits) {
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, N = q.size(0) * kTile16;
   const bool half = sc.scalar_type() == at::kHalf, blob = sc.scalar_type() == at::kByte;
   TORCH_CHECK(q.is_contiguous() && q.size(1) == G && q.size(2) == (kQ4 ? 256 : 512) && sc.is_contiguous() &&
@@ -492,22 +516,27 @@ at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
                        mins->scalar_type() == sc.scalar_type()), "bad mins");
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"),
               "the tiled weight layout needs AVX-512 VNNI, which this CPU lacks");
-  const Rows16 xq = quantize_rows16(x.data_ptr<float>(), M, K);
+  const Rows16 xq = quantize_rows16(x.data_ptr<float>(), M, K, act_bits == 8);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   with_scales<kQ4, Blob16, Plain16>(sc, mins, G, halves, 32, 128,
-                                     [&](auto s, auto m) { mm_tiled_rows<kQ4>(xq, qp, s, m, yp, M, N); });
+                                     [&](auto s, auto m) {
+                                       if (act_bits == 8) mm_tiled_rows<kQ4, true>(xq, qp, s, m, yp, M, N);
+                                       else mm_tiled_rows<kQ4, false>(xq, qp, s, m, yp, M, N);
+                                     });
   return y;
 }
 
 #pragma GCC pop_options
 
 template <bool kQ4>
-at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc, const c10::optional<at::Tensor>& mins) {
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc, const c10::optional<at::Tensor>& mins,
+              int64_t act_bits) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % kGroup == 0, "x must be [M, K] with K a multiple of 32");
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "activation bits must be 8 or 16");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  if (q.dim() == 3) return mm_tiled<kQ4>(x, q, sc, mins).to(x_in.scalar_type());
+  if (q.dim() == 3) return mm_tiled<kQ4>(x, q, sc, mins, act_bits).to(x_in.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = sc.size(0), G = K / kGroup;
   const bool half = sc.scalar_type() == at::kHalf, blob = sc.scalar_type() == at::kByte;
   TORCH_CHECK(sc.is_contiguous() && q.is_contiguous() && q.numel() == N * K / (kQ4 ? 2 : 1), "weight shape does not match x");
@@ -517,19 +546,20 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc,
               "weight scales do not match the codes");
   TORCH_CHECK(!kQ4 || (mins.has_value() && mins->sizes() == sc.sizes() && mins->is_contiguous() &&
                        mins->scalar_type() == sc.scalar_type()), "bad mins");
-  const Rows xq = quantize_rows(x.data_ptr<float>(), M, K);
+  const Rows xq = quantize_rows(x.data_ptr<float>(), M, K, act_bits == 8 ? 127.f : 32767.f);
   at::Tensor y = at::empty({M, N}, x.options());
   with_scales<kQ4, Blob, Plain>(sc, mins, G, halves, 2, 8, [&](auto s, auto m) { mm_rows<kQ4>(xq, q, s, m, y); });
   return y.to(x_in.scalar_type());
 }
 // The row layout (above) or the tiled layout (3-D codes, below): which one a weight has is its packer's
 // choice (model/quant.py, CpuQuantWeight).
-at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& mins) {
-  return mm<true>(x, packed, scale, mins);
+at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& mins,
+                 int64_t act_bits) {
+  return mm<true>(x, packed, scale, mins, act_bits);
 }
 
-at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  return mm<false>(x, codes, scale, c10::nullopt);
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t act_bits) {
+  return mm<false>(x, codes, scale, c10::nullopt, act_bits);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1198,8 +1228,9 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
 // calls, in the same order, so its result is bit-for-bit that path's. A matmul weight is (codes, scale, mins):
 // 4-bit when mins is given, 8-bit codes otherwise.
 at::Tensor qmm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-               const c10::optional<at::Tensor>& mins) {
-  return mins.has_value() ? mm<true>(x, codes, scale, mins) : mm<false>(x, codes, scale, c10::nullopt);
+               const c10::optional<at::Tensor>& mins, int64_t act_bits) {
+  return mins.has_value() ? mm<true>(x, codes, scale, mins, act_bits)
+                          : mm<false>(x, codes, scale, c10::nullopt, act_bits);
 }
 
 // (h + delta, the layer's output delta); h + delta is the residual stream after the previous layer (delta
@@ -1216,7 +1247,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t H,
     int64_t Hkv, double scale, int64_t window, const std::optional<at::Tensor>& tree_base,
     const std::optional<at::Tensor>& tree_mask, const c10::optional<at::Tensor>& qkv2_codes = c10::nullopt,
-    const c10::optional<at::Tensor>& qkv2_scale = c10::nullopt, const c10::optional<at::Tensor>& qkv2_mins = c10::nullopt) {
+    const c10::optional<at::Tensor>& qkv2_scale = c10::nullopt, const c10::optional<at::Tensor>& qkv2_mins = c10::nullopt,
+    int64_t act_bits = 16) {
   at::Tensor res, x;
   if (delta.has_value()) {
     std::tie(res, x) = add_rms_norm(h, *delta, input_norm, eps);
@@ -1224,21 +1256,21 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     res = h.contiguous().clone();
     x = rms_norm(res, input_norm, eps);
   }
-  at::Tensor qkv = qmm(x, qkv_codes, qkv_scale, qkv_mins);
+  at::Tensor qkv = qmm(x, qkv_codes, qkv_scale, qkv_mins, act_bits);
   if (qkv2_codes.has_value()) {
     TORCH_CHECK(qkv2_scale.has_value(), "decoder_layer: qkv2_codes without qkv2_scale");
-    qkv = at::cat({qkv, qmm(x, *qkv2_codes, *qkv2_scale, qkv2_mins)}, -1);
+    qkv = at::cat({qkv, qmm(x, *qkv2_codes, *qkv2_scale, qkv2_mins, act_bits)}, -1);
   }
   if (qkv_bias.has_value()) qkv = qkv + *qkv_bias;
   const at::Tensor q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, H, Hkv);
   const at::Tensor a = paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window,
                                        tree_base, tree_mask);
-  const at::Tensor o = qmm(a.reshape({a.size(0), -1}), o_codes, o_scale, o_mins);
+  const at::Tensor o = qmm(a.reshape({a.size(0), -1}), o_codes, o_scale, o_mins, act_bits);
   const int64_t Hd = res.size(-1);  // res += o, x = norm(res): in place (res is this call's own tensor)
   add_rms_norm_rows(res.data_ptr<float>(), o.data_ptr<float>(), post_norm.contiguous().data_ptr<float>(),
                     x.data_ptr<float>(), res.numel() / Hd, Hd, eps);
-  const at::Tensor act = silu_mul(qmm(x, gate_up_codes, gate_up_scale, gate_up_mins));
-  return {res, qmm(act, down_codes, down_scale, down_mins)};
+  const at::Tensor act = silu_mul(qmm(x, gate_up_codes, gate_up_scale, gate_up_mins, act_bits));
+  return {res, qmm(act, down_codes, down_scale, down_mins, act_bits)};
 }
 
 }  // namespace
@@ -1260,7 +1292,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_stack(
     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t H, int64_t Hkv, double scale,
     at::IntArrayRef windows, at::IntArrayRef taps, const c10::List<c10::optional<at::Tensor>>& qkv2_codes,
     const c10::List<c10::optional<at::Tensor>>& qkv2_scales, const c10::List<c10::optional<at::Tensor>>& qkv2_mins,
-    const std::optional<at::Tensor>& tree_base, const std::optional<at::Tensor>& tree_mask) {
+    const std::optional<at::Tensor>& tree_base, const std::optional<at::Tensor>& tree_mask, int64_t act_bits) {
   const size_t L = kv_caches.size();
   TORCH_CHECK(L > 0, "decoder_stack: no layers");
   TORCH_CHECK(input_norms.size() == L && post_norms.size() == L && qkv_codes.size() == L &&
@@ -1281,7 +1313,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_stack(
                                   gate_up_codes[i], gate_up_scales[i], gate_up_mins.get(i), down_codes[i],
                                   down_scales[i], down_mins.get(i), positions, cos[i], sin[i], kv, slot_mapping,
                                   block_tables, query_start_loc, seq_lens, H, Hkv, scale, windows[i], tree_base,
-                                  tree_mask, qkv2_codes.get(i), qkv2_scales.get(i), qkv2_mins.get(i));
+                                  tree_mask, qkv2_codes.get(i), qkv2_scales.get(i), qkv2_mins.get(i), act_bits);
     h = std::move(h2);
     delta = std::move(d2);
     if (next_tap < taps.size() && taps[next_tap] == static_cast<int64_t>(i)) {
@@ -1299,8 +1331,8 @@ TORCH_LIBRARY(specserve_cpu, m) {
   m.def("add_rms_norm(Tensor h, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
         "Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
-  m.def("q4_mm(Tensor x, Tensor packed, Tensor scale, Tensor mins) -> Tensor");
-  m.def("q8_mm(Tensor x, Tensor codes, Tensor scale) -> Tensor");
+  m.def("q4_mm(Tensor x, Tensor packed, Tensor scale, Tensor mins, int act_bits=16) -> Tensor");
+  m.def("q8_mm(Tensor x, Tensor codes, Tensor scale, int act_bits=16) -> Tensor");
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, int window, Tensor? tree_base=None, Tensor? tree_mask=None) -> Tensor");
   m.def("decoder_layer(Tensor h, Tensor? delta, Tensor input_norm, Tensor post_norm, float eps, "
@@ -1309,7 +1341,7 @@ TORCH_LIBRARY(specserve_cpu, m) {
         "Tensor down_scale, Tensor? down_mins, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_heads, "
         "int num_kv_heads, float scale, int window, Tensor? tree_base=None, Tensor? tree_mask=None, "
-        "Tensor? qkv2_codes=None, Tensor? qkv2_scale=None, Tensor? qkv2_mins=None) -> (Tensor, Tensor)");
+        "Tensor? qkv2_codes=None, Tensor? qkv2_scale=None, Tensor? qkv2_mins=None, int act_bits=16) -> (Tensor, Tensor)");
   m.def("decoder_stack(Tensor h, Tensor[] input_norms, Tensor[] post_norms, float eps, "
         "Tensor[] qkv_codes, Tensor[] qkv_scales, Tensor?[] qkv_mins, Tensor?[] qkv_biases, Tensor[] o_codes, "
         "Tensor[] o_scales, Tensor?[] o_mins, Tensor[] gate_up_codes, Tensor[] gate_up_scales, "
@@ -1317,7 +1349,7 @@ TORCH_LIBRARY(specserve_cpu, m) {
         "Tensor positions, Tensor[] cos, Tensor[] sin, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, "
         "float scale, int[] windows, int[] taps, Tensor?[] qkv2_codes, Tensor?[] qkv2_scales, "
-        "Tensor?[] qkv2_mins, Tensor? tree_base=None, Tensor? tree_mask=None) -> (Tensor, Tensor, Tensor[])");
+        "Tensor?[] qkv2_mins, Tensor? tree_base=None, Tensor? tree_mask=None, int act_bits=16) -> (Tensor, Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
