@@ -8,8 +8,9 @@ this measures that assumption (docs/architecture.md, "CPU compute dtype").
 
 Per row: median ms of one forward + logits for T = 1 .. 8 tokens of one request after a context
 of ``--context`` tokens (the KV cache in the engine's default dtype), the ratio to T = 1 (T = 5 is verifying k = 4 drafts), and how many logits of the
-first row differ from the T = 1 run (0 = batch-invariant). Medians over ``--repeats`` interleaved rounds; the
-ratio is the median of the per-round ratios (the machine's speed drifts between rounds).
+first row differ from the T = 1 run (0 = batch-invariant). Every configuration is built first, and each of the
+``--repeats`` rounds steps all of them in turn; the ratio is the median of the per-round ratios (the machine's
+speed drifts between rounds).
 """
 
 from __future__ import annotations
@@ -24,38 +25,52 @@ import torch
 TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
-def measure(ckpt, dtype: torch.dtype, quantization: str, prompt: torch.Tensor, ctx: int, table: list[int],
-            repeats: int) -> tuple[dict[int, float], dict[int, float], dict[int, int]]:
-    """(median ms per token count, median per-round ratio to the 1-token step, logits of row 0 differing from
-    the 1-token run per token count). The ratio is taken within each round (this machine's speed drifts
-    between rounds) and then the median over rounds."""
-    from specserve.model.attention import build_metadata
-    from specserve.platform import detect, resolve_kv_dtype
-    from specserve.worker.model_runner import build_model
+class Setup:
+    """One configuration's model with a filled context, and its step for T new tokens."""
 
-    block_size = 16
-    platform = detect("cpu")
-    quant, _, act = quantization.partition(":a")  # "auto:a8": --activation-bits 8
-    model = build_model(ckpt, platform, dtype, ctx + 64, quant, activation_bits=int(act or 16))
-    kv_dtype = resolve_kv_dtype(platform, "auto", dtype)  # the engine's default cache
-    kv = [torch.zeros(model.kv_cache_shape(len(table) + 1, block_size), dtype=kv_dtype)
-          for _ in range(ckpt.arch.num_layers)]
-    model(prompt[:ctx], torch.arange(ctx), kv, build_metadata([ctx], [ctx], [table], block_size))
+    def __init__(self, ckpt, dtype: torch.dtype, quantization: str, prompt: torch.Tensor, ctx: int,
+                 table: list[int]) -> None:
+        from specserve.model.attention import build_metadata
+        from specserve.platform import detect, resolve_kv_dtype
+        from specserve.worker.model_runner import build_model
 
-    def step(t: int) -> torch.Tensor:
-        meta = build_metadata([t], [ctx + t], [table], block_size)
-        return model.compute_logits(model(prompt[ctx:ctx + t], torch.arange(ctx, ctx + t), kv, meta))
+        self.build_metadata, self.prompt, self.ctx, self.table, self.block_size = build_metadata, prompt, ctx, table, 16
+        platform = detect("cpu")
+        quant, _, act = quantization.partition(":a")  # "auto:a8": --activation-bits 8
+        self.model = build_model(ckpt, platform, dtype, ctx + 64, quant, activation_bits=int(act or 16))
+        kv_dtype = resolve_kv_dtype(platform, "auto", dtype)  # the engine's default cache
+        self.kv = [torch.zeros(self.model.kv_cache_shape(len(table) + 1, self.block_size), dtype=kv_dtype)
+                   for _ in range(ckpt.arch.num_layers)]
+        self.model(prompt[:ctx], torch.arange(ctx), self.kv, build_metadata([ctx], [ctx], [table], self.block_size))
 
-    ref = step(1)[0]
-    diffs = {t: int((step(t)[0] != ref).sum()) for t in TOKEN_COUNTS}
-    times: dict[int, list[float]] = {t: [] for t in TOKEN_COUNTS}
+    def step(self, t: int) -> torch.Tensor:
+        ctx = self.ctx
+        meta = self.build_metadata([t], [ctx + t], [self.table], self.block_size)
+        return self.model.compute_logits(self.model(self.prompt[ctx:ctx + t], torch.arange(ctx, ctx + t), self.kv,
+                                                    meta))
+
+    def row_differences(self) -> dict[int, int]:
+        """Logits of row 0 differing from the 1-token run, per token count (0: batch-invariant)."""
+        ref = self.step(1)[0]
+        return {t: int((self.step(t)[0] != ref).sum()) for t in TOKEN_COUNTS}
+
+
+def measure(setups: list[Setup], repeats: int) -> list[tuple[dict[int, float], dict[int, float]]]:
+    """Per setup: (median ms per token count, median per-round ratio to the 1-token step). Each round steps
+    every setup in turn, so configurations are compared on the same machine state (this machine's speed
+    drifts between rounds and between minutes); the ratio is taken within each round, then the median."""
+    times: list[dict[int, list[float]]] = [{t: [] for t in TOKEN_COUNTS} for _ in setups]
     for _ in range(repeats):
-        for t in TOKEN_COUNTS:
-            t0 = time.perf_counter()
-            step(t)
-            times[t].append(time.perf_counter() - t0)
-    ratios = {t: statistics.median(a / b for a, b in zip(v, times[1])) for t, v in times.items()}
-    return {t: statistics.median(v) * 1e3 for t, v in times.items()}, ratios, diffs
+        for s, own in zip(setups, times):
+            for t in TOKEN_COUNTS:
+                t0 = time.perf_counter()
+                s.step(t)
+                own[t].append(time.perf_counter() - t0)
+    out = []
+    for own in times:
+        ratios = {t: statistics.median(a / b for a, b in zip(v, own[1])) for t, v in own.items()}
+        out.append(({t: statistics.median(v) * 1e3 for t, v in own.items()}, ratios))
+    return out
 
 
 def main() -> int:
@@ -81,18 +96,18 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, ckpt.arch.vocab_size, (ctx + max(TOKEN_COUNTS),), generator=gen)
     print(f"{ckpt.arch.architecture} {ckpt.arch.num_layers} layers, hidden {ckpt.arch.hidden_size}; context {ctx}; "
-          f"CPU: {cpu_class()}; torch {torch.__version__}")
+          f"CPU: {cpu_class()}; torch {torch.__version__}; configurations interleaved in each round")
     header = "threads dtype    quant   " + "".join(f"  T={t:<2} ms (x)  " for t in TOKEN_COUNTS) + \
         "  row-0 logits differing from T=1"
     print(header)
+    configs = [(name, quant) for name in dtypes for quant in args.quantizations.split(",")]
+    setups = [Setup(ckpt, getattr(torch, name), quant, prompt, ctx, table) for name, quant in configs]
+    diffs = [s.row_differences() for s in setups]
     for n in threads:
         torch.set_num_threads(n)
-        for name in dtypes:
-            for quant in args.quantizations.split(","):
-                med, ratio, diffs = measure(ckpt, getattr(torch, name), quant, prompt, ctx, table, args.repeats)
-                cells = "".join(f"  {med[t]:6.1f} ({ratio[t]:.2f}) " for t in TOKEN_COUNTS)
-                print(f"{n:<8}{name:<9}{quant:<8}{cells}  {max(diffs.values())} of {ckpt.arch.vocab_size}",
-                      flush=True)
+        for (name, quant), (med, ratio), diff in zip(configs, measure(setups, args.repeats), diffs):
+            cells = "".join(f"  {med[t]:6.1f} ({ratio[t]:.2f}) " for t in TOKEN_COUNTS)
+            print(f"{n:<8}{name:<9}{quant:<8}{cells}  {max(diff.values())} of {ckpt.arch.vocab_size}", flush=True)
     return 0
 
 

@@ -28,3 +28,41 @@ def test_an_off_probe_goes_to_the_request_with_the_least_backlog():
     c.record_draft(1, 0.005)
     probes = [c.choose_ks(["a", "b", "c"], backlog=[400, 3, 250]) for _ in range(6)]
     assert all(ks[0] == 0 and ks[2] == 0 for ks in probes) and any(ks[1] for ks in probes)
+
+
+def test_a_draft_models_backlog_is_priced_and_its_prompt_spread_over_the_request():
+    """A draft model reads a new request's whole prompt before its first drafts (a one-off: it then drafts for
+    the rest of the request), so the controller is charged the share one step covers; tokens it missed while
+    prompt lookup drafted recur, and are charged whole. Before, a draft model's backlog was priced as none."""
+    from specserve.spec_decode.draft_model import DraftModelProposer
+    from specserve.spec_decode.proposer import ProposeRequest, backlog
+
+    prop = DraftModelProposer(lambda *a: None, shares_target_kv=False, vocab_size=8)
+    req = ProposeRequest("a", list(range(301)), 301, 1, (), None, room=63)  # type: ignore[arg-type]
+    assert backlog(prop, req, 5) == pytest.approx(300 * 6 / 64)  # never read: 6 of the 64 tokens left
+    req.spec.draft.fed = (280, [7])  # read up to 280, then a draft that was not accepted
+    assert backlog(prop, req, 5) == 20.0
+    req.spec.draft.fed = (300, [])  # the usual step: only the last token to feed
+    assert backlog(prop, req, 5) == 0.0
+    assert backlog(DraftModelProposer(lambda *a: None, True, 8), req, 5) == 0.0  # layer skip: the target's KV
+    req.room = 3
+    req.spec.draft.fed = None
+    assert backlog(prop, req, 5) == 300.0  # near the end a step covers all that is left: charged whole
+
+
+def test_a_spread_prompt_catch_up_still_pays_alone_where_a_whole_one_never_would():
+    """A request whose draft has not read its prompt still gets drafts at batch 1: the share of the prompt one
+    step is charged is small against what its drafts gain; charged whole, no single step could pay for it."""
+    from specserve.spec_decode.controller import SpecController
+
+    c = SpecController(3, explore_every=10**6)
+    for n in range(1, 40):  # 40 ms a step plus 4 ms a row: rows are cheap next to the step
+        c.record_target(n, 0.040 + 0.004 * (n - 1))
+    c.record_draft(1, 0.010)
+    for req in ("a", "b", "c", "d"):
+        c.record_acceptance(req, 3, 3)
+    c.record_catch_up(300, 0.6)
+    c.record_catch_up(30, 0.06)  # 2 ms a token
+    assert c.choose_ks(["a"], backlog=[0.0]) != [0]
+    assert c.choose_ks(["a"], backlog=[300 * 4 / 64]) != [0]  # alone: the spread prompt still pays
+    assert c.choose_ks(["a"], backlog=[300.0]) == [0]  # charged whole, one step could never pay for it

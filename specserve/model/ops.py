@@ -156,7 +156,7 @@ def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor
             head += [w.packed, w.scales, w.mins]
             if w is qkv:
                 head.append(a.qkv_bias)
-        second = ((None, None, None) if qkv2 is None else (qkv2.packed, qkv2.scales, qkv2.mins)) + (qkv.act_bits,)
+        second = ((None, None, None) if qkv2 is None else (qkv2.packed, qkv2.scales, qkv2.mins)) + (mats[1].act_bits,)
         args = (tuple(head), (a.num_heads, a.num_kv_heads, a.scale, getattr(a, "window", None) or 0), second)
     layer.__dict__["_fused_args"] = (mats_now, args)
     return args

@@ -255,7 +255,7 @@ class SpecController:
 
     # -- decision -------------------------------------------------------------------------------------------
     def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[Source] | None = None,
-                  remaining: list[int] | None = None, backlog: list[int] | None = None) -> list[int]:
+                  remaining: list[int] | None = None, backlog: Sequence[float] | None = None) -> list[int]:
         """k per request for the next step of these decoding requests; ``other_tokens`` are prefill tokens
         sharing the step; ``sources[i]`` is where request i's drafts come from this step (default: one);
         ``remaining[i]``: tokens request i has left in a draining batch (None: a server's open batch), and
@@ -273,7 +273,7 @@ class SpecController:
             # The cost slope (or the draft's cost) is unknown: measure the other extreme.
             ks = [0 if self.last_k else self.max_k] * len(req_ids)
         else:
-            lag = backlog or [0] * len(req_ids)
+            lag = list(backlog) if backlog else [0.0] * len(req_ids)
             ks = self._best(req_ids, srcs, other_tokens, lag) if remaining is None or len(req_ids) == 1 \
                 else self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
             self._since_explore += 1
@@ -289,7 +289,7 @@ class SpecController:
                     # them would. A draft model or head first catches up on every token since the request
                     # last drafted (a new request's whole prompt), so the probe goes to the request with the
                     # least to catch up on (in turn among equals).
-                    lag = backlog or [0] * len(ks)
+                    lag = list(backlog) if backlog else [0.0] * len(ks)
                     least = min(lag)
                     cheapest = [i for i, n in enumerate(lag) if n == least]
                     ks[cheapest[self._step % len(cheapest)]] = min(self.max_k, 1)
@@ -299,7 +299,7 @@ class SpecController:
         self.last_k = max(ks)
         return ks
 
-    def _best(self, req_ids: list[str], sources: list[Source], other: int, backlog: list[int]) -> list[int]:
+    def _best(self, req_ids: list[str], sources: list[Source], other: int, backlog: Sequence[float]) -> list[int]:
         """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s."""
         pairs = sorted(((m, i) for i, (r, s) in enumerate(zip(req_ids, sources)) for m in self.gains(r, s)),
                        key=lambda x: -x[0])
@@ -308,7 +308,7 @@ class SpecController:
                                  catch_up=[0.0 if f else self._catch_up * n for f, n in zip(free, backlog)])
 
     def _drain_plan(self, req_ids: list[str], sources: list[Source], other: int, remaining: list[int],
-                    backlog: list[int]) -> list[int]:
+                    backlog: Sequence[float]) -> list[int]:
         """Drafts that maximise how fast a draining batch approaches its end. The batch ends when
         ``max_i(remaining_i)`` reaches 0; with X_i accepted drafts this step it shrinks by
         ``sum_l P(remaining_i - X_i <= longest - l for all i)`` beyond the step itself, and request i must have
@@ -396,7 +396,7 @@ class SpecController:
         # the other rows are decode rows: each yields its token in every plan
         return self._best_prefix(items, [True] * len(probs), other_tokens, produced=other_tokens)
 
-    def best_rate(self, gains: list[float], free: bool, backlog: int = 0) -> float | None:
+    def best_rate(self, gains: list[float], free: bool, backlog: float = 0.0) -> float | None:
         """Predicted tokens/s of one request drafting from a source whose draft j adds ``gains[j - 1]``
         expected tokens, at its best k (0 included); ``free``: drafts cost no draft-model step; ``backlog``:
         tokens the draft first catches up on. None while the costs are not measured yet (or the controller is

@@ -36,6 +36,19 @@ class DraftModelProposer:
     def source(self, req: ProposeRequest, max_k: int) -> Source:
         return Source.METHOD
 
+    def backlog(self, r: ProposeRequest, max_k: int) -> float:
+        """Tokens the draft reads before drafting beyond the one a proposal always feeds, as the controller
+        prices them (``SpecController.choose_ks``' ``backlog``). A request the draft has never read (its prompt:
+        a one-off catch-up that lets it draft for the rest of the request) is charged the share of it one step
+        covers, at most ``max_k + 1`` of the ``room + 1`` tokens left; a backlog gathered while prompt lookup
+        drafted recurs, and is charged whole."""
+        if self.shares_target_kv:
+            return 0.0
+        n = max(len(r.token_ids) - self._valid_prefix(r) - 1, 0)
+        if r.spec.draft.fed is None:
+            return n * min(1.0, (max_k + 1) / (r.room + 1))
+        return float(n)
+
     def _valid_prefix(self, r: ProposeRequest) -> int:
         """Positions below this hold draft KV of the request's actual tokens."""
         if self.shares_target_kv:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from specserve.spec_decode.controller import PRIOR_ALPHA, PRIOR_WEIGHT, gains_over_prior
 from specserve.spec_decode.ngram import ngram_match
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
+from specserve.spec_decode.proposer import backlog as proposer_backlog
 from specserve.spec_decode.state import Acceptance, Source, SpecState
 from specserve.spec_decode.suffix import SuffixProposer
 
@@ -96,11 +97,15 @@ class LookupFirstProposer:
         if self.controller is None:
             return Source.LOOKUP
         by_lookup = self.controller.best_rate(self.lookup_gains(n, len(toks)), True, 0)
-        # the model's drafts first catch up on the target features it has not read (an EAGLE head's backlog)
-        by_model = self.controller.best_rate(self.controller.gains(r.req_id, Source.MODEL), False, len(r.spec.features))
+        # the model's drafts first catch up on what it has not read (an EAGLE head's features, a draft's tokens)
+        by_model = self.controller.best_rate(self.controller.gains(r.req_id, Source.MODEL), False,
+                                             self.backlog(r, self.controller.max_k))
         if by_lookup is None or by_model is None:
             return Source.LOOKUP
         return Source.LOOKUP if by_lookup >= by_model else Source.MODEL
+
+    def backlog(self, r: ProposeRequest, max_k: int) -> float:
+        return proposer_backlog(self.model, r, max_k)
 
     def propose(self, reqs: list[ProposeRequest], other_rows: int = 0) -> list[Draft]:
         out: list[Draft | None] = []

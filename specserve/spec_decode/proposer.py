@@ -44,6 +44,14 @@ class Draft:
     predicted: float = 0.0  # a tree: the sum of its nodes' draft path probabilities (expected accepted nodes)
 
 
+def backlog(proposer: object, req: ProposeRequest, max_k: int) -> float:
+    """Tokens ``proposer`` reads for ``req`` before its model drafts, as the controller prices them: a draft
+    model's own answer (``DraftModelProposer.backlog``), else the target features an EAGLE head has not read
+    (0 for proposers that read none)."""
+    own = getattr(proposer, "backlog", None)
+    return float(own(req, max_k)) if own is not None else float(len(req.spec.features))
+
+
 class Proposer(Protocol):
     # True when proposing writes KV ahead of the request's tokens (the scheduler reserves lookahead slots).
     writes_kv: bool

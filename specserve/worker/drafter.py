@@ -33,6 +33,7 @@ from specserve.spec_decode.eagle import EagleProposer, EagleSteps
 from specserve.spec_decode.lookup_first import LookupFirstProposer
 from specserve.spec_decode.ngram import NgramProposer, lookup
 from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
+from specserve.spec_decode.proposer import backlog as proposer_backlog
 from specserve.spec_decode.state import FREE_SOURCES, Source, SpecState, SpecStates
 from specserve.spec_decode.suffix import SUFFIX_KEY_N, SuffixProposer
 from specserve.worker.draft_steps import eagle_steps, logits_step
@@ -243,7 +244,7 @@ class Drafter:
                   if use_grammar and c.state.grammar is not None else [] for c in cands]
         sources = [Source.GRAMMAR if f else proposer.source(c, controller.max_k) for c, f in zip(cands, forced)]
         remaining = [c.room + 1 for c in cands] if draining else None
-        backlog = [len(c.spec.features) for c in cands]
+        backlog = [proposer_backlog(proposer, c, controller.max_k) for c in cands]
         ks = controller.choose_ks([c.req_id for c in cands], sources=sources, remaining=remaining, backlog=backlog)
         out: dict[str, Draft] = {}
         reqs, req_sources = [], []
