@@ -48,6 +48,8 @@ def test_a_draft_models_backlog_is_priced_and_its_prompt_spread_over_the_request
     req.room = 3
     req.spec.draft.fed = None
     assert backlog(prop, req, 5) == 300.0  # near the end a step covers all that is left: charged whole
+    req.room = -1  # a row with no room left still counts in the controller's batch
+    assert backlog(prop, req, 5) == 300.0
 
 
 def test_a_spread_prompt_catch_up_still_pays_alone_where_a_whole_one_never_would():

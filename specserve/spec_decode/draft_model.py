@@ -46,7 +46,7 @@ class DraftModelProposer:
             return 0.0
         n = max(len(r.token_ids) - self._valid_prefix(r) - 1, 0)
         if r.spec.draft.fed is None:
-            return n * min(1.0, (max_k + 1) / (r.room + 1))
+            return n * min(1.0, (max_k + 1) / (max(r.room, 0) + 1))  # room -1: no room left at all
         return float(n)
 
     def _valid_prefix(self, r: ProposeRequest) -> int:
