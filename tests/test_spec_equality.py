@@ -811,8 +811,9 @@ QWEN_HEAD = os.path.join(os.path.dirname(__file__), os.pardir, "specserve", "dat
 
 def chi2_with_shipped_head(target: str | None, head: str, text: str, n: int) -> None:
     """``n`` seeded requests of one chat prompt, 4 sampled tokens each (temperature 1, top-k 4), the shipped head
-    drafting k = 2 with speculation forced on: the first token and the marginals of tokens 1-3 (most of them
-    verified drafts) must follow the target's distribution, computed from its logits."""
+    drafting with speculation forced on (within 4 tokens each request has one draft verified, at token 1, 2 or
+    3): the first token and the marginals of tokens 1-3 must follow the target's distribution, computed from
+    its logits. Measured: p-values 0.15-0.99 (demo head, 28 % of drafts accepted), 0.86-1 (the Qwen head, 56 %)."""
     from tests.test_rejection import chi2_pvalue, position
 
     llm = LLM(target, speculative_method="eagle", speculative_model=head, num_speculative_tokens=2,
