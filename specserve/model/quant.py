@@ -238,6 +238,9 @@ class CpuQuantWeight(_Quantized):
     - tiled (AVX-512 VNNI): tiles of 16 output columns, 4 codes per column per 32-bit lane (vpdpbusd's
       operand shape); activations on the same 16-bit grid, split into two bytes per code.
 
+    ``act_bits`` 8 (``--activation-bits 8``, ``set_activation_bits``) rounds activations to an 8-bit grid
+    instead, in either layout: half the integer work per row in the tiled one.
+
     Scales and mins are kept in fp16 when they are fp16 values (GGUF's blocks and ``quantize``'s output
     are): a decode step streams them with the codes, and fp16 makes that a quarter of the bytes instead of
     two fifths."""

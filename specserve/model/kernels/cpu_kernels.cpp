@@ -7,7 +7,8 @@
 //   q4: packed [N, K / 2] uint8; in group g of row n, byte i holds code i (low nibble) and code i + 16
 //       (high nibble); w = scale[n, g] * code + min[n, g], code in 0..15.
 //   q8: codes [N, K] int8; w = scale[n, g] * code.
-// Per group, the activations are rounded to a 16-bit grid of their own (round(x / d), d = max|x| / 32767),
+// Per group, the activations are rounded to a 16-bit grid of their own (round(x / d), d = max|x| / 32767; with
+// act_bits 8, d = max|x| / 127: the tiled layout's 8-bit numbers, computed in the same 16-bit lanes),
 // multiplied with the weight codes exactly in integers (vpmaddwd), and the group's sum is scaled by
 // scale * d in fp32 (the 4-bit min term uses the exact fp32 sum of x). Relative to fp32 activations this adds
 // at most 1/65534 of a group's largest activation per element; it halves the instructions per weight, which
@@ -306,9 +307,10 @@ void with_scales(const at::Tensor& sc, const c10::optional<at::Tensor>& mins, in
 // The weights of a tile are unpacked once per group and applied to up to kRows16 rows, and a tile's outputs
 // are 16 lanes, so nothing is reduced horizontally.
 //
-// Rounding the activations to 8 bits instead (127 levels: llama.cpp's Q8 blocks) halves the vpdpbusd, but on
-// the demo model raised perplexity 1.2-2.4% and changed 8% of the greedy tokens against the dequantized
-// reference (docs/quantization.md); 16 bits leaves both where the row layout has them.
+// With act_bits 8 (--activation-bits 8) the activations are rounded to 127 levels instead (llama.cpp's Q8
+// blocks) and stored as the codes themselves, 32 bytes a group: a row times a tile is 8 vpdpbusd per group, half
+// the work. On the demo model that raised perplexity 1.2-2.4% and changed 8% of the greedy tokens against the
+// dequantized reference (docs/quantization.md), so 16 bits is the default.
 //
 // NOTE: as in the row layout, an output is summed by one thread in an order that depends only on K, and each
 // row's activations are rounded on their own: a row's result does not depend on the other rows.
