@@ -280,8 +280,8 @@ def test_quantized_target_gets_an_8bit_head_and_stays_exact(tiny):
                 max_num_seqs=4, **TREE, **ENGINE)  # tree steps through the fused decoder_layer kernel
     calls = []
     fused = torch.ops.specserve_cpu.decoder_layer
-    # the tree mask: after it come the second q/k/v part's codes, scales and mins
-    torch.ops.specserve_cpu.decoder_layer = lambda *a: calls.append(a[-4] is not None) or fused(*a)
+    # the tree mask: after it come the second q/k/v part's codes, scales and mins, then the activation bits
+    torch.ops.specserve_cpu.decoder_layer = lambda *a: calls.append(a[-5] is not None) or fused(*a)
     try:
         assert _greedy(trees) == ref
     finally:

@@ -813,7 +813,7 @@ def chi2_with_shipped_head(target: str | None, head: str, text: str, n: int) -> 
     """``n`` seeded requests of one chat prompt, 4 sampled tokens each (temperature 1, top-k 4), the shipped head
     drafting with speculation forced on (within 4 tokens each request has one draft verified, at token 1, 2 or
     3): the first token and the marginals of tokens 1-3 must follow the target's distribution, computed from
-    its logits. Measured: p-values 0.15-0.99 (demo head, 28 % of drafts accepted), 0.86-1 (the Qwen head, 56 %)."""
+    its logits. Measured: p-values 0.15-0.99 (demo head, 3000 requests, 28 % of drafts accepted), 0.86-1 (the Qwen head, 56 %)."""
     from tests.test_rejection import chi2_pvalue, position
 
     llm = LLM(target, speculative_method="eagle", speculative_model=head, num_speculative_tokens=2,
@@ -833,12 +833,13 @@ def chi2_with_shipped_head(target: str | None, head: str, text: str, n: int) -> 
 @pytest.mark.slow
 @needs_cpu_kernels
 def test_chi2_sampled_with_the_demo_models_trained_head():
-    chi2_with_shipped_head(None, SHIPPED_HEAD, "Name three colours.", 3000)
+    chi2_with_shipped_head(None, SHIPPED_HEAD, "Name three colours.", 2000)
 
 
 @pytest.mark.slow
 @needs_cpu_kernels
-@pytest.mark.skipif(not os.path.exists(QWEN_PAIR_TARGET),
-                    reason="the Qwen2.5-Coder-1.5B file is not cached (benchmarks/fetch_models.sh fetches it)")
+@pytest.mark.skipif(not (os.environ.get("SPECSERVE_TEST_QWEN_PAIR") and os.path.exists(QWEN_PAIR_TARGET)),
+                    reason="opt-in (SPECSERVE_TEST_QWEN_PAIR=1, about 10 min) with the Qwen2.5-Coder-1.5B "
+                           "file cached by benchmarks/fetch_models.sh")
 def test_chi2_sampled_with_the_qwen_pairs_trained_head():
     chi2_with_shipped_head(QWEN_PAIR_TARGET, QWEN_HEAD, "Write a Python function that reverses a string.", 1500)
