@@ -128,10 +128,11 @@ def _fused_args(layer: DecoderLayer, kv_cache: torch.Tensor
                 ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]] | None:
     """The layer's arguments as ``decoder_layer`` takes them (those before the positions: norms, eps, the
     matmul weights; those after the attention metadata: head counts, scale, window; the second q/k/v part's
-    codes, scales, mins, or Nones, then the activation bits), or None where the layer cannot run as one call (a float weight, chunked
-    norms, q/k norms, a head_dim the attention kernel does not take). Worked out once per layer and kept on it;
-    the identity check of the matmul modules (plain dict reads: a module attribute read costs about a
-    microsecond, and this runs for every layer of every step) notices weights that were loaded again."""
+    codes, scales, mins, or Nones, then the activation bits), or None where the layer cannot run as one call
+    (a float weight, weights with different activation bits, chunked norms, q/k norms, a head_dim the
+    attention kernel does not take). Worked out once per layer and kept on it; the identity check of the
+    matmul modules (plain dict reads: a module attribute read costs about a microsecond, and this runs for
+    every layer of every step) notices weights that were loaded again."""
     from specserve.model.quant import ConcatWeight, CpuQuantWeight
 
     cached, mats_now = layer.__dict__.get("_fused_args"), _matmuls(layer)
@@ -173,9 +174,10 @@ def _matmuls(layer: DecoderLayer) -> tuple[Any, ...]:
 def _stack_args(layers: list[DecoderLayer], ropes: list[RotaryEmbedding], kv_caches: list[torch.Tensor]
                 ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], int] | None:
     """``decoder_stack``'s per-layer arguments as lists (those before the positions, the rope tables, those
-    after the metadata, the second q/k/v parts), then the activation bits, or None unless every layer runs as one ``decoder_layer`` call with the same eps, head
-    counts and scale. Kept on the first layer (per layer count), rebuilt when a layer's weights or rope changed
-    (identity checks, as ``_fused_args``)."""
+    after the metadata, the second q/k/v parts), then the activation bits, or None unless every layer runs as
+    one ``decoder_layer`` call with the same eps, head counts, scale and activation bits. Kept on the first
+    layer (per layer count), rebuilt when a layer's weights or rope changed (identity checks, as
+    ``_fused_args``)."""
     if not layers or len(layers) != len(kv_caches):
         return None
     ident = tuple(m for layer in layers for m in _matmuls(layer)) + tuple(ropes)

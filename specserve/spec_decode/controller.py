@@ -289,7 +289,6 @@ class SpecController:
                     # them would. A draft model or head first catches up on every token since the request
                     # last drafted (a new request's whole prompt), so the probe goes to the request with the
                     # least to catch up on (in turn among equals).
-                    lag = list(backlog) if backlog else [0.0] * len(ks)
                     least = min(lag)
                     cheapest = [i for i, n in enumerate(lag) if n == least]
                     ks[cheapest[self._step % len(cheapest)]] = min(self.max_k, 1)
