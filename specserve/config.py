@@ -241,6 +241,11 @@ class SpeculativeConfig:
     adaptive: bool = field(default=True, metadata=flag(
         "choose k per step from measured acceptance and cost (default on)", kw="speculative_adaptive",
         negative="--no-speculative-adaptive"))
+    # Start-up (worker/calibrate.py): timed steps on placeholder tokens seed the controller's cost tables.
+    calibration_seconds: float = field(default=3.0, metadata=flag(
+        "at start-up, spend up to this many seconds timing the target's decode/verification steps and the "
+        "draft's steps, so the first requests are planned from measured costs (0: learn them from the first "
+        "requests)", kw="speculative_calibration_seconds"))
     # A model proposer (draft, eagle, layer_skip) that lets prompt lookup draft whenever the context repeats
     # its last prompt_lookup_min tokens (spec_decode/lookup_first.py).
     prompt_lookup_first: bool = field(default=False, metadata=flag(

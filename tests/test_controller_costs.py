@@ -26,8 +26,32 @@ def test_an_off_probe_goes_to_the_request_with_the_least_backlog():
     for n in (1, 2, 3, 4, 5):  # verification rows as dear as the step: the model says off
         c.record_target(n, 0.010 * n)
     c.record_draft(1, 0.005)
-    probes = [c.choose_ks(["a", "b", "c"], backlog=[400, 3, 250]) for _ in range(6)]
+    probes = [c.choose_ks(["a", "b", "c"], backlog=[400, 3, 250]) for _ in range(60)]
     assert all(ks[0] == 0 and ks[2] == 0 for ks in probes) and any(ks[1] for ks in probes)
+
+
+def test_off_probes_spend_at_most_their_share_of_the_time():
+    """A probe's predicted cost (its extra row, a draft step and the catch-up on its backlog) is paid from a
+    budget of PROBE_SHARE of the off steps' time: a draft model far behind on every request is probed rarely
+    (each probe would read hundreds of tokens), one with nothing to catch up on at every gap."""
+    from specserve.spec_decode.controller import PROBE_SHARE, SpecController
+
+    def run(backlog: float, steps: int) -> tuple[int, float]:
+        c = SpecController(3, explore_every=4)
+        for n in range(8, 17):
+            c.record_target(n, 0.070 + 0.012 * (n - 8))  # a row costs more than a draft gains: the plan is off
+        c.record_draft(1, 0.012)
+        c.record_catch_up(100, 0.15)
+        c.record_catch_up(300, 0.45)
+        probes = sum(any(c.choose_ks([f"r{i}" for i in range(8)], backlog=[backlog] * 8)) for _ in range(steps))
+        return probes, c._catch_up
+
+    rare, per_token = run(600.0, 2000)
+    assert per_token == pytest.approx(0.0015)
+    cost = 0.012 + 0.012 + 600 * per_token  # the extra row, the draft step, the catch-up
+    assert 1 <= rare <= 2000 * PROBE_SHARE * 0.070 / cost + 1
+    cheap, _ = run(0.0, 2000)
+    assert cheap > 2 * rare  # limited by the gap alone
 
 
 def test_a_draft_models_backlog_is_priced_and_its_prompt_spread_over_the_request():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 from importlib import metadata
 from typing import Any
@@ -191,6 +192,33 @@ def serve_rows(runs: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[st
     return ["metric", *names], rows
 
 
+def spec_rounds(runs: dict[str, dict[str, Any]]) -> list[tuple[float | None, float | None]]:
+    """(on / off output throughput, on / off TTFT median) of each round of ``--compare-spec --repeats``: the
+    runs named ``spec off N`` / ``spec on N`` (or a single ``spec off`` / ``spec on``)."""
+    out = []
+    for name, off in runs.items():
+        on = runs.get(name.replace("spec off", "spec on", 1)) if name.startswith("spec off") else None
+        if on is None:
+            continue
+        a, b = off["output_throughput"], on["output_throughput"]
+        t0, t1 = off["ttft"]["median"], on["ttft"]["median"]
+        out.append((b / a if a else None, t1 / t0 if t0 and t1 is not None else None))
+    return out
+
+
+def spec_rounds_line(runs: dict[str, dict[str, Any]]) -> str:
+    """Per-round on/off ratios and their medians (empty without rounds)."""
+    rounds = spec_rounds(runs)
+    if len(rounds) < 2:
+        return ""
+
+    def series(i: int) -> str:
+        xs = [x for r in rounds if (x := r[i]) is not None]
+        med = statistics.median(xs) if xs else None
+        return ", ".join(_fmt(x, ".2f") for x in xs) + f" (median {_fmt(med, '.2f')}x)"
+    return f"on / off per round, output throughput: {series(0)}; TTFT median: {series(1)}"
+
+
 def serve_table(runs: dict[str, dict[str, Any]], markdown: bool = False) -> str:
     headers, rows = serve_rows(runs)
     if markdown:
@@ -242,7 +270,7 @@ def serve_markdown(doc: dict[str, Any], plots: list[str]) -> str:
     a = doc["args"]
     lines += [f"Base URL: `{doc.get('base_url')}`; dataset `{a['dataset']}`; request rate {a['request_rate']}; "
               f"concurrency {a['concurrency']}; {a['num_prompts']} prompts; max_tokens {a['max_tokens']}; "
-              f"streaming.", "", serve_table(doc["runs"], markdown=True), "",
+              f"streaming.", "", serve_table(doc["runs"], markdown=True), "", spec_rounds_line(doc["runs"]), "",
               "TTFT: time to first content chunk. TPOT: (E2E - TTFT) / (output tokens - 1) per request. ITL: gaps "
               "between content chunks (one chunk may carry several tokens when drafts are accepted). E2EL: "
               "request latency. Percentiles over requests (ITL: over all gaps)."]

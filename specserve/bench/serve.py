@@ -226,7 +226,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 # -- launching specserve serve ----------------------------------------------------------------------------------
 SPEC_VALUE_FLAGS = ("--speculative-model", "--num-speculative-tokens", "--speculative-method",
-                    "--speculative-config", "--draft-layers", "--prompt-lookup-min", "--prompt-lookup-max")
+                    "--speculative-config", "--draft-layers", "--prompt-lookup-min", "--prompt-lookup-max",
+                    "--speculative-calibration-seconds")
 SPEC_BOOL_FLAGS = ("--speculative-adaptive", "--no-speculative-adaptive")
 
 
@@ -333,6 +334,9 @@ def add_parser(sub) -> None:
     p.add_argument("--launch", default=None, metavar="'SERVE ARGS'", help="start `specserve serve SERVE ARGS`")
     p.add_argument("--compare-spec", action="store_true",
                    help="with --launch: run once without the speculative flags, once with them")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --compare-spec: rounds of off and on servers (alternating which goes first); the "
+                        "ratios are printed per round with their median")
     p.add_argument("--launch-timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="write results.json, report.md and latency CDF plots here")
     p.add_argument("--no-progress", action="store_true")
@@ -345,6 +349,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--request-rate, --num-prompts and --concurrency must be positive")
     if args.compare_spec and not args.launch:
         raise ValueError("--compare-spec needs --launch 'SERVE ARGS'")
+    if args.repeats < 1 or (args.repeats > 1 and not args.compare_spec):
+        raise ValueError("--repeats must be positive and needs --compare-spec")
     items = load_dataset(args.dataset)
     items = [items[i % len(items)] for i in range(args.num_prompts)]
     load = dict(items=items, api_key=args.api_key, model=args.model, request_rate=rate,
@@ -359,10 +365,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             off_args = strip_flags(serve_args, SPEC_VALUE_FLAGS, SPEC_BOOL_FLAGS)
             if off_args == serve_args:
                 raise ValueError("--compare-spec: --launch has no speculative flags to compare")
-            runs["spec off"] = launch_and_run(off_args, os.path.join(log_dir, "server_off.log"),
-                                              args.launch_timeout, "speculation off", **load)
-            runs["spec on"] = launch_and_run(serve_args, os.path.join(log_dir, "server_on.log"),
-                                             args.launch_timeout, "speculation on", **load)
+            for r in range(1, args.repeats + 1):  # off first in odd rounds, on first in even ones (drift)
+                sides = [("off", off_args), ("on", serve_args)]
+                for side, side_args in sides if r % 2 else sides[::-1]:
+                    tag = "" if args.repeats == 1 else f" {r}"
+                    runs[f"spec {side}{tag}"] = launch_and_run(
+                        side_args, os.path.join(log_dir, f"server_{side}{tag.strip()}.log"), args.launch_timeout,
+                        f"speculation {side}{tag}", **load)
         else:
             runs["server"] = launch_and_run(serve_args, os.path.join(log_dir, "server.log"),
                                             args.launch_timeout, "as given", **load)

@@ -129,6 +129,7 @@ def gains_over_prior(counts: Acceptance | None, prior: Sequence[float], weight: 
 
 PRIOR_ALPHA = 0.6  # acceptance of a draft position before it is measured
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior in an estimate
+PROBE_SHARE = 0.02  # of the step time while the plan is "no drafts", what probing it may spend
 
 
 class SpecController:
@@ -159,6 +160,7 @@ class SpecController:
         self._step = 0
         self._since_explore = 0
         self._explore_gap = explore_every
+        self._probe_budget = 0.0  # seconds the next off-probe may cost (``_probe``)
         # Conditional acceptance per position over all recent passes, per source (decayed counts, and the
         # rates they give, cached): the prior of every request's estimate (a new request starts from it).
         self._global: dict[Source, Acceptance] = {}
@@ -270,33 +272,54 @@ class SpecController:
         self._step += 1
         if self.target_cost.distinct() < 2 or (self.draft_cost.distinct() == 0 and self.max_k
                                                and any(s not in FREE_SOURCES for s in srcs)):
-            # The cost slope (or the draft's cost) is unknown: measure the other extreme.
-            ks = [0 if self.last_k else self.max_k] * len(req_ids)
+            # The cost slope (or the draft's cost) is unknown (no start-up calibration, worker/calibrate.py):
+            # after a step without drafts, the request with the least to catch up on drafts max_k. That
+            # measures T(B + k), the draft's step and every position's acceptance, at one request's price.
+            ks = [0] * len(req_ids)
+            if not self.last_k:
+                lag = list(backlog) if backlog else [0.0] * len(req_ids)
+                ks[lag.index(min(lag))] = self.max_k
         else:
             lag = list(backlog) if backlog else [0.0] * len(req_ids)
             ks = self._best(req_ids, srcs, other_tokens, lag) if remaining is None or len(req_ids) == 1 \
                 else self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
             self._since_explore += 1
+            off = not any(ks)
+            if off:  # probes are paid from a budget that accrues while the plan is off
+                self._probe_budget += PROBE_SHARE * (self.target_cost.predict(other_tokens + len(req_ids)) or 0.0)
             if self._since_explore >= self._explore_gap:  # keep the estimates honest around the optimum
                 self._since_explore = 0
-                off = not any(ks)
-                # NOTE: exploring away from k = 0 costs real time when drafts keep failing, so the gap
-                # doubles each time the model still says "off", and resets once speculation pays again.
-                self._explore_gap = min(self._explore_gap * 2, 64 * self.explore_every) if off \
-                    else self.explore_every
-                if off:
-                    # One request drafts one token: that measures acceptance and T(B + 1) as well as all of
-                    # them would. A draft model or head first catches up on every token since the request
-                    # last drafted (a new request's whole prompt), so the probe goes to the request with the
-                    # least to catch up on (in turn among equals).
-                    least = min(lag)
-                    cheapest = [i for i, n in enumerate(lag) if n == least]
-                    ks[cheapest[self._step % len(cheapest)]] = min(self.max_k, 1)
-                else:
+                if not off:
+                    self._explore_gap = self.explore_every
                     step = 1 if self._step % 2 else -1
                     ks = [min(self.max_k, max(0, k + step)) for k in ks]
+                else:
+                    self._probe(ks, srcs, other_tokens, lag)
         self.last_k = max(ks)
         return ks
+
+    def _probe(self, ks: list[int], sources: list[Source], other: int, lag: Sequence[float]) -> None:
+        """While the plan is "no drafts": one request drafts one token, which measures acceptance and T(B + 1)
+        as well as all of them would. A draft model or head first catches up on every token since the request
+        last drafted (a new request's whole prompt), so the probe goes to the request with the least to catch
+        up on (in turn among equals), and only once the budget (``PROBE_SHARE`` of the steps since the plan
+        went off) covers its predicted cost: at a draft model's 1.5 ms a token, a 200-token catch-up is worth
+        four steps of a 1.5B target at batch 8.
+
+        NOTE: exploring away from k = 0 costs real time when drafts keep failing, so the gap doubles each time
+        the model still says "off" (and resets once speculation pays again)."""
+        least = min(lag)
+        cheapest = [i for i, n in enumerate(lag) if n == least]
+        i = cheapest[self._step % len(cheapest)]
+        b = other + len(ks)
+        cost = max((self.target_cost.predict(b + 1) or 0.0) - (self.target_cost.predict(b) or 0.0), 0.0)
+        if sources[i] not in FREE_SOURCES:
+            cost += (self.draft_cost.predict(1) or 0.0) + self._catch_up * lag[i]
+        if cost > self._probe_budget:
+            return  # not yet: the next gap tries again
+        self._probe_budget -= cost
+        self._explore_gap = min(self._explore_gap * 2, 64 * self.explore_every)
+        ks[i] = min(self.max_k, 1)
 
     def _best(self, req_ids: list[str], sources: list[Source], other: int, backlog: Sequence[float]) -> list[int]:
         """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s."""

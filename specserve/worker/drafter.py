@@ -36,6 +36,7 @@ from specserve.spec_decode.proposer import Draft, Proposer, ProposeRequest
 from specserve.spec_decode.proposer import backlog as proposer_backlog
 from specserve.spec_decode.state import FREE_SOURCES, Source, SpecState, SpecStates
 from specserve.spec_decode.suffix import SUFFIX_KEY_N, SuffixProposer
+from specserve.worker.calibrate import Calibration
 from specserve.worker.draft_steps import eagle_steps, logits_step
 from specserve.worker.graphs import GraphPlan
 from specserve.worker.mirror import Mirror
@@ -87,6 +88,9 @@ class Drafter:
         self._suffix: SuffixProposer | None = None  # suffix decoding's index of finished requests
         self._router: LookupFirstProposer | None = None  # --prompt-lookup-first
         self._eagle: EagleProposer | None = None  # sizes its trees with the controller
+        # One draft model step (tokens, starts, block ids), for the start-up calibration; None: no model steps.
+        self.calibration_step: Callable[[list[list[int]], list[int], list[tuple[int, ...]]], Any] | None = None
+        self.calibration: Calibration | None = None  # its samples: they seed every controller
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _load_draft_model(self) -> DecoderModel | EagleHead | None:
@@ -150,6 +154,7 @@ class Drafter:
             step = logits_step(self.model, self.kv_caches, block_size, device, None, self._plan)
             if self.model.tp is not None:
                 step = self.mirror.wrap("draft", step)
+            self.calibration_step = step
             return DraftModelProposer(self.timer.timed(step), shares_target_kv=False, vocab_size=arch.vocab_size,
                                       grammar=spec_config.grammar_drafts)
         if spec_config.method == "eagle":
@@ -160,6 +165,9 @@ class Drafter:
             self._eagle = EagleProposer(timed, arch.hidden_size * self.model.cfg.num_feature_layers, arch.vocab_size,
                                         spec_config.eagle_topk, spec_config.num_draft_tokens or 0, self.controller,
                                         grammar=spec_config.grammar_drafts)
+            width = arch.hidden_size * self.model.cfg.num_feature_layers
+            self.calibration_step = lambda toks, starts, blocks: steps.logits(
+                toks, torch.zeros(sum(map(len, toks)), width, device=device), starts, blocks)
             return self._eagle
         if spec_config.method == "layer_skip":
             layers = spec_config.draft_layers or max(1, arch.num_layers // 4)
@@ -167,6 +175,7 @@ class Drafter:
                 raise SpecserveError(f"--draft-layers {layers} must be below the target's {arch.num_layers} layers")
             step = self.mirror.wrap("layer_skip", logits_step(self.target, target_kv[:layers], block_size, device,
                                                               layers, self._plan))
+            self.calibration_step = step
             return DraftModelProposer(self.timer.timed(step), shares_target_kv=True, vocab_size=arch.vocab_size,
                                       grammar=spec_config.grammar_drafts)
         raise SpecserveError(f"speculative method {spec_config.method!r} is not available in this build")
@@ -306,13 +315,16 @@ class Drafter:
 
     # -- per run (benchmarks, `specserve distill`) ----------------------------------------------------------
     def reset_controller(self, *, adaptive: bool | None = None, max_k: int | None = None) -> SpecController:
-        """A fresh controller (no fitted costs, no acceptance history): adaptive or a fixed k, up to the
-        configured ``--num-speculative-tokens`` (the graphs and lookahead slots are sized for it)."""
+        """A fresh controller (no acceptance history; its costs only the start-up calibration's): adaptive or a
+        fixed k, up to the configured ``--num-speculative-tokens`` (the graphs and lookahead slots are sized
+        for it)."""
         k = self.spec_config.num_speculative_tokens if max_k is None else max_k
         if not 1 <= k <= self.spec_config.num_speculative_tokens:
             raise ValueError(f"k={k} is outside 1..{self.spec_config.num_speculative_tokens} (--num-speculative-tokens)")
         old = self.controller
         self.controller = SpecController(k, old.adaptive if adaptive is None else adaptive, states=self.states)
+        if self.calibration is not None:
+            self.calibration.apply(self.controller)
         self.controller.cost_observers = old.cost_observers
         self.states.forget_acceptance()
         for user in (self._router, self._eagle):  # the proposers that ask the controller

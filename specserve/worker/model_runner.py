@@ -46,6 +46,7 @@ from specserve.sample.grammar import GrammarState
 from specserve.sample.sampler import Logprobs, RequestSamplingState, compute_logprobs
 from specserve.sample.verification import Verification, verify_step
 from specserve.spec_decode.proposer import ProposeRequest, Source
+from specserve.worker.calibrate import calibrate
 from specserve.worker.drafter import Drafter, mirrors_draft_calls
 from specserve.worker.features import FeatureSink, sink_features
 from specserve.worker.graphs import (
@@ -160,6 +161,33 @@ class ModelRunner:
         self._target_call = self.mirror.wrap("target", self._forward)
         self._move_kv_call = self.mirror.wrap("move_kv", self._move_kv)
         self.embed = self.mirror.wrap("embed", self._embed)
+        if self.drafter is not None and comm is None and config.speculative.adaptive \
+                and config.speculative.calibration_seconds > 0:
+            self._calibrate(self.drafter)
+
+    def _calibrate(self, drafter: Drafter) -> None:
+        """Seed the controller's cost tables with timed steps on placeholder tokens (worker/calibrate.py)."""
+        spec = self.config.speculative
+
+        def target(toks: list[list[int]], starts: list[int], blocks: list[tuple[int, ...]]) -> None:
+            n = sum(map(len, toks))
+            with torch.inference_mode():
+                self._forward([tuple(t) for t in toks], starts, blocks, self.feature_sink is not None,
+                              list(range(n)))
+
+        def draft(toks: list[list[int]], starts: list[int], blocks: list[tuple[int, ...]]) -> None:
+            assert drafter.calibration_step is not None
+            with torch.inference_mode():
+                drafter.calibration_step(toks, starts, blocks)
+
+        cal = calibrate(target, draft if drafter.calibration_step is not None else None,
+                        max_k=drafter.controller.max_k, max_seqs=self.config.scheduler.max_num_seqs,
+                        num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len,
+                        vocab_size=self.arch.vocab_size, budget_s=spec.calibration_seconds,
+                        captures=drafter.num_captures)
+        drafter.calibration = cal
+        cal.apply(drafter.controller)
+        log.info("speculation: calibrated the controller's costs (%s)", cal.describe())
 
     # -- start-up -------------------------------------------------------------------------------------------
     def _build(self, ckpt: Checkpoint, tp: TensorParallel | None = None, quantization: str | None = None,

@@ -163,12 +163,38 @@ template <int H> struct Blob {
 // activation registers 0..3; a lone group fills u[0], u[1] only.
 //   q4 (one 32-byte load = groups a, b; low nibbles are codes 0-15, high nibbles 16-31), widened in-lane with
 //   unpack (lane 0 = group a, lane 1 = group b);
-//   q8 (groups a, b are 32 bytes each): [a0-15 | b0-15] and [a16-31 | b16-31], sign-extended in-lane.
-template <bool kQ4, bool lone>
-inline void block_codes(const uint8_t* qn, int64_t b, __m256i u[4]) {
+//   q8 (groups a, b are 32 bytes each): [a0-15 | b0-15] and [a16-31 | b16-31], sign-extended in-lane;
+//   q6 (``kQ6``, Q6_K's 6-bit codes): the low 4 bits as q4's nibbles, the high 2 bits from ``qh`` (8 bytes a
+//   group: bits 2 s, 2 s + 1 of byte j are code j + 8 s's), then - 32 and on as q8.
+template <bool kQ4, bool lone, bool kQ6 = false>
+inline void block_codes(const uint8_t* qn, int64_t b, __m256i u[4], const uint8_t* qh = nullptr) {
   const __m256i z = _mm256_setzero_si256();
   __m256i r0, r1;  // bytes: [a0-15 | b0-15], [a16-31 | b16-31] (lone: [a0-15 | a16-31] in r0)
-  if constexpr (kQ4) {
+  if constexpr (kQ6) {
+    const __m256i m = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), bias = _mm256_set1_epi8(32);
+    if constexpr (lone) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * 32));
+      r0 = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), m);
+      int64_t ha; std::memcpy(&ha, qh + b * 16, 8);
+      const __m256i hh = _mm256_set1_epi64x(ha);  // [Ha Ha Ha Ha]
+      const __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(hh, _mm256_setr_epi64x(0, 2, 4, 6)), m2);
+      r0 = _mm256_sub_epi8(_mm256_or_si256(r0, _mm256_slli_epi16(hi, 4)), bias);
+    } else {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + b * 32));
+      const __m256i hh = _mm256_permute4x64_epi64(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + b * 16))), 0x50);  // [Ha Ha Hb Hb]
+      const __m256i h0 = _mm256_and_si256(_mm256_srlv_epi64(hh, _mm256_setr_epi64x(0, 2, 0, 2)), m2);
+      const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi64(hh, _mm256_setr_epi64x(4, 6, 4, 6)), m2);
+      r0 = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, m), _mm256_slli_epi16(h0, 4)), bias);
+      r1 = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m), _mm256_slli_epi16(h1, 4)), bias);
+    }
+    const __m256i s0 = _mm256_cmpgt_epi8(z, r0);
+    u[0] = _mm256_unpacklo_epi8(r0, s0); u[1] = _mm256_unpackhi_epi8(r0, s0);
+    if constexpr (!lone) {
+      const __m256i s1 = _mm256_cmpgt_epi8(z, r1);
+      u[2] = _mm256_unpacklo_epi8(r1, s1); u[3] = _mm256_unpackhi_epi8(r1, s1);
+    }
+  } else if constexpr (kQ4) {
     const __m256i m = _mm256_set1_epi8(0x0F);
     if constexpr (lone) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * 32));
@@ -204,9 +230,9 @@ inline void block_codes(const uint8_t* qn, int64_t b, __m256i u[4]) {
 // and scaled by scale * d per lane in fp32. With half-group scales (8-bit codes, Blob<2>) the first and the
 // second 16 codes of each group are summed and scaled apart. R is a template argument so the accumulators stay
 // in registers; the arithmetic of a row is the same for every R.
-template <bool kQ4, typename Sc, int R>
+template <bool kQ4, typename Sc, int R, bool kQ6 = false>
 void tile(const Rows& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  const int64_t G = xq.G, B = xq.B, bytes = kQ4 ? 16 : 32;
+  const int64_t G = xq.G, B = xq.B, bytes = kQ4 ? 16 : kQ6 ? 24 : 32;
   const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const int16_t* xb = xq.q.data() + m0 * B * 64; const float* dvb = xq.dv.data() + m0 * B * 8;
   for (int64_t n = n0; n < n1; ++n) {
@@ -218,7 +244,7 @@ void tile(const Rows& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float*
       constexpr bool lone = decltype(lone_t)::value;
       if (b % 4 == 0) up = sc.sup(n, 2 * b);
       __m256i u[4];
-      block_codes<kQ4, lone>(qn, b, u);
+      block_codes<kQ4, lone, kQ6>(qn, b, u, kQ6 ? qn + G * 16 : nullptr);
       if constexpr (Sc::kHalves == 2) {  // lanes of u0 + u1: [a lo | b lo] (lone: [a lo | a hi]); of u2 + u3: [a hi | b hi]
         const __m256 f = _mm256_castps128_ps256(sc.four(n, 2 * b, up));  // [a lo, a hi, b lo, b hi]
         const __m256 wlo = _mm256_permutevar8x32_ps(f, lone ? pair : _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
@@ -260,13 +286,13 @@ void tile(const Rows& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float*
     }
   }
 }
-template <bool kQ4, typename Sc>
+template <bool kQ4, typename Sc, bool kQ6 = false>
 void mm_rows(const Rows& xq, const at::Tensor& q, const Sc& sc, const Sc& mins, at::Tensor& y) {
   const int64_t M = y.size(0), N = y.size(1);
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr()); float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowTile)
-      with_rows<kRowTile>(M - m0, [&](auto r) { tile<kQ4, Sc, decltype(r)::value>(xq, qp, sc, mins, yp, N, m0, n0, n1); });
+      with_rows<kRowTile>(M - m0, [&](auto r) { tile<kQ4, Sc, decltype(r)::value, kQ6>(xq, qp, sc, mins, yp, N, m0, n0, n1); });
   });
 }
 // run(scales, mins) with the accessors (BlobT: Blob or Blob16, PlainT: Plain or Plain16) a weight's scales
@@ -298,6 +324,9 @@ void with_scales(const at::Tensor& sc, const c10::optional<at::Tensor>& mins, in
 //   q4: [N / 16, G, 256] uint8; per (tile, group) four 64-byte chunks j = 0..3, byte 4 c + b of chunk j holds
 //       column c's code k = 4 j + b (low nibble) and k = 16 + 4 j + b (high nibble);
 //   q8: [N / 16, G, 512] uint8; eight chunks j = 0..7, byte 4 c + b of chunk j holds code (k = 4 j + b) + 128;
+//   q6 (Q6_K's 6-bit codes, read as q8): [N / 16, G, 384]: four chunks of low nibbles as q4's (chunk j: codes
+//       of q8's chunks j and j + 4), then two chunks of high bits: bits 2 s, 2 s + 1 of byte i of chunk h are
+//       those of byte i of q8's chunk 4 h + s; each code is stored + 32 (0 .. 63).
 //   scales, mins: [N / 16, G, 16], column c of the tile in lane c.
 // Activations are rounded per group to a 16-bit grid as in the row layout, with 32512 = 127 * 256 levels so
 // each code splits into two signed bytes, c = 256 h + l. A row times a tile is then, per group, 16 vpdpbusd
@@ -403,10 +432,10 @@ template <int H> struct Blob16 {
 
 // Rows m0 .. m0 + R of y, column tiles [t0, t1). With half-group scales (8-bit codes, Blob16<2>) chunks 0-3
 // (codes 0-15) and 4-7 (16-31) are summed and scaled apart.
-template <bool kQ4, bool kA8, typename Sc, int R>
+template <bool kQ4, bool kA8, typename Sc, int R, bool kQ6 = false>
 void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float* y, int64_t N, int64_t m0,
             int64_t t0, int64_t t1) {
-  const int64_t G = xq.G, bytes = kQ4 ? 256 : 512;
+  const int64_t G = xq.G, bytes = kQ4 ? 256 : kQ6 ? 384 : 512;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[R];
@@ -422,6 +451,18 @@ void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, fl
           const __m512i raw = _mm512_loadu_si512(qg + 64 * j);
           w[j] = _mm512_and_si512(raw, low);
           w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+      } else if constexpr (kQ6) {  // (nibble | high bits << 4) + 96: the code + 128, as q8 stores it
+        const __m512i h0 = _mm512_loadu_si512(qg + 256), h1 = _mm512_loadu_si512(qg + 320);
+        const __m512i top = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi8(96);
+        auto high = [&](__m512i h, int j) {  // bits 2 j, 2 j + 1 of each byte moved to bits 4, 5
+          return _mm512_and_si512(j == 0 ? _mm512_slli_epi16(h, 4) : j == 1 ? _mm512_slli_epi16(h, 2)
+                                  : j == 2 ? h : _mm512_srli_epi16(h, 2), top);
+        };
+        for (int j = 0; j < 4; ++j) {
+          const __m512i raw = _mm512_loadu_si512(qg + 64 * j);
+          w[j] = _mm512_add_epi8(_mm512_or_si512(_mm512_and_si512(raw, low), high(h0, j)), bias);
+          w[j + 4] = _mm512_add_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), high(h1, j)), bias);
         }
       } else {
         for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(qg + 64 * j);
@@ -490,7 +531,7 @@ void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, fl
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + t * kTile16, acc[r]);
   }
 }
-template <bool kQ4, bool kA8, typename Sc>
+template <bool kQ4, bool kA8, typename Sc, bool kQ6 = false>
 void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const Sc& sc, const Sc& mins, float* yp, int64_t M, int64_t N) {
   // A thread's tiles in blocks of kTileBlock, each block over every row tile: a block's weights stay in cache
   // while a long prompt's rows pass (a decode step has one row tile, one pass).
@@ -499,7 +540,7 @@ void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const Sc& sc, const Sc& 
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileBlock) {
       const int64_t t1 = std::min(t_end, t0 + kTileBlock);
       for (int64_t m0 = 0; m0 < M; m0 += kRows16)
-        with_rows<kRows16>(M - m0, [&](auto r) { tile16<kQ4, kA8, Sc, decltype(r)::value>(xq, qp, sc, mins, yp, N, m0, t0, t1); });
+        with_rows<kRows16>(M - m0, [&](auto r) { tile16<kQ4, kA8, Sc, decltype(r)::value, kQ6>(xq, qp, sc, mins, yp, N, m0, t0, t1); });
     }
   });
 }
@@ -508,7 +549,8 @@ at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
                     int64_t act_bits) {
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, N = q.size(0) * kTile16;
   const bool half = sc.scalar_type() == at::kHalf, blob = sc.scalar_type() == at::kByte;
-  TORCH_CHECK(q.is_contiguous() && q.size(1) == G && q.size(2) == (kQ4 ? 256 : 512) && sc.is_contiguous() &&
+  const bool q6 = !kQ4 && q.size(2) == 384;
+  TORCH_CHECK(q.is_contiguous() && q.size(1) == G && (q.size(2) == (kQ4 ? 256 : 512) || q6) && sc.is_contiguous() &&
               sc.dim() == 3 && sc.size(0) == q.size(0), "tiled weight shape does not match x");
   const bool halves = !blob && !kQ4 && sc.size(1) == 2 * G;  // fp32 / fp16 per half group
   TORCH_CHECK(blob ? (G % 8 == 0 && sc.size(1) == G / 8 && (sc.size(2) == 160 || (!kQ4 && sc.size(2) == 288)))
@@ -524,7 +566,12 @@ at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   float* yp = y.data_ptr<float>();
   with_scales<kQ4, Blob16, Plain16>(sc, mins, G, halves, 32, 128,
                                      [&](auto s, auto m) {
-                                       if (act_bits == 8) mm_tiled_rows<kQ4, true>(xq, qp, s, m, yp, M, N);
+                                       if (q6) {
+                                         if constexpr (!kQ4) {
+                                           if (act_bits == 8) mm_tiled_rows<false, true, decltype(s), true>(xq, qp, s, m, yp, M, N);
+                                           else mm_tiled_rows<false, false, decltype(s), true>(xq, qp, s, m, yp, M, N);
+                                         }
+                                       } else if (act_bits == 8) mm_tiled_rows<kQ4, true>(xq, qp, s, m, yp, M, N);
                                        else mm_tiled_rows<kQ4, false>(xq, qp, s, m, yp, M, N);
                                      });
   return y;
@@ -541,7 +588,9 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc,
   if (q.dim() == 3) return mm_tiled<kQ4>(x, q, sc, mins, act_bits).to(x_in.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = sc.size(0), G = K / kGroup;
   const bool half = sc.scalar_type() == at::kHalf, blob = sc.scalar_type() == at::kByte;
-  TORCH_CHECK(sc.is_contiguous() && q.is_contiguous() && q.numel() == N * K / (kQ4 ? 2 : 1), "weight shape does not match x");
+  const bool q6 = !kQ4 && q.numel() == N * K / 4 * 3;  // Q6_K's codes: nibbles, then 2 high bits each
+  TORCH_CHECK(sc.is_contiguous() && q.is_contiguous() && (q.numel() == N * K / (kQ4 ? 2 : 1) || q6),
+              "weight shape does not match x");
   const bool halves = !blob && !kQ4 && sc.size(1) == 2 * G;  // fp32 / fp16 per half group
   TORCH_CHECK(blob ? (sc.dim() == 3 && G % 8 == 0 && sc.size(1) == G / 8 && (sc.size(2) == 10 || (!kQ4 && sc.size(2) == 18)))
                    : ((half || sc.scalar_type() == at::kFloat) && (sc.size(1) == G || halves)),
@@ -550,7 +599,10 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc,
                        mins->scalar_type() == sc.scalar_type()), "bad mins");
   const Rows xq = quantize_rows(x.data_ptr<float>(), M, K, act_bits == 8 ? 127.f : 32767.f);
   at::Tensor y = at::empty({M, N}, x.options());
-  with_scales<kQ4, Blob, Plain>(sc, mins, G, halves, 2, 8, [&](auto s, auto m) { mm_rows<kQ4>(xq, q, s, m, y); });
+  with_scales<kQ4, Blob, Plain>(sc, mins, G, halves, 2, 8, [&](auto s, auto m) {
+    if (q6) mm_rows<kQ4, decltype(s), true>(xq, q, s, m, y);
+    else mm_rows<kQ4>(xq, q, s, m, y);
+  });
   return y.to(x_in.scalar_type());
 }
 // The row layout (above) or the tiled layout (3-D codes, below): which one a weight has is its packer's
