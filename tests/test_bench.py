@@ -273,6 +273,25 @@ def test_poisson_gaps_and_flag_stripping():
     assert serve.percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
 
 
+def test_compare_spec_rounds_are_paired_by_number_and_summarised_by_their_median():
+    from specserve.bench import report
+
+    def run(tps: float, ttft: float) -> dict:
+        return {"output_throughput": tps, "ttft": {"median": ttft}}
+
+    # --repeats 3: round 2 ran on first (the order alternates against drift)
+    runs = {"spec off 1": run(10, 2.0), "spec on 1": run(12, 1.0), "spec on 2": run(9, 3.0),
+            "spec off 2": run(10, 2.0), "spec off 3": run(20, 4.0), "spec on 3": run(30, 4.0)}
+    assert report.spec_rounds(runs) == [(1.2, 0.5), (0.9, 1.5), (1.5, 1.0)]
+    line = report.spec_rounds_line(runs)
+    assert "1.20, 0.90, 1.50 (median 1.20x)" in line and "0.50, 1.50, 1.00 (median 1.00x)" in line
+    assert report.spec_rounds_line({"spec off": run(10, 1.0), "spec on": run(11, 1.0)}) == ""  # one round
+
+def test_repeats_need_compare_spec(capsys):
+    assert cli_main(["bench", "serve", "--repeats", "2", "--base-url", "http://127.0.0.1:9"]) == 2
+    assert "--repeats must be positive and needs --compare-spec" in capsys.readouterr().err
+
+
 def test_bench_serve_launch_compare_spec(tiny_model, tmp_path, capsys, one_thread):
     """`--launch ... --compare-spec` starts the real `specserve serve` twice (tiny model), off then on."""
     out = tmp_path / "launch"

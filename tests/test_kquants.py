@@ -124,37 +124,40 @@ def test_kernels_match_and_are_row_invariant(qtype, tiled, act_bits):
 @needs_kernels
 @pytest.mark.parametrize("tiled", LAYOUTS, ids=lambda t: "tiled" if t else "rows")
 @pytest.mark.parametrize("act_bits", [16, 8])
-def test_six_bit_codes_give_the_eight_bit_kernels_bits(tiled, act_bits):
-    """8-bit codes that fit 6 bits are stored in 6 (Q6_K's) and give exactly the products of the same codes
-    stored in 8: odd group counts (a lone group in the row layout), scales per group and per half group,
-    1 .. 17 rows, whole and partial tiles; the rows read back are the codes."""
+def test_narrow_codes_give_the_eight_bit_kernels_bits(tiled, act_bits):
+    """8-bit codes that fit 5 or 6 bits (Q5_0's, Q6_K's) are stored in those bits and give exactly the
+    products of the same codes stored in 8: odd group counts (a lone group in the row layout), scales per
+    group and per half group, 1 .. 17 rows, whole and partial tiles; the rows read back are the codes."""
     gen = torch.Generator().manual_seed(3)
-    for n, k, group in ((48, 96, 16), (40, 160, 32), (32, 512, 16)):
-        codes = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
-        codes[0, :3] = torch.tensor([-32, 31, 0], dtype=torch.int8)  # the extremes
-        scales = torch.rand(n, k // group, generator=gen) * 0.01
-        qt = QuantizedTensor(8, codes, scales, None)
-        six = CpuQuantWeight(qt, torch.device("cpu"), tiled=tiled)
-        eight = CpuQuantWeight(qt, torch.device("cpu"), tiled=tiled, narrow=False)
-        assert six.q6 and not eight.q6 and six.tiled == eight.tiled == (tiled and n % 16 == 0)
-        assert six.packed.numel() * 4 == eight.packed.numel() * 3
-        six.act_bits = eight.act_bits = act_bits
-        for m in (1, 5, 17):
-            x = torch.randn(m, k, generator=gen)
-            assert torch.equal(six(x), eight(x)), (n, k, group, m)
-        ids = torch.tensor([0, n - 1, 7, 0])
-        assert torch.equal(six.take_rows(ids).codes, codes[ids])
-        assert torch.equal(six.dequantize(), eight.dequantize())
+    for bits in (5, 6):
+        half = 1 << (bits - 1)
+        for n, k, group in ((48, 96, 16), (40, 160, 32), (32, 512, 16)):
+            codes = torch.randint(-half, half, (n, k), generator=gen, dtype=torch.int8)
+            codes[0, :3] = torch.tensor([-half, half - 1, 0], dtype=torch.int8)  # the extremes
+            scales = torch.rand(n, k // group, generator=gen) * 0.01
+            qt = QuantizedTensor(8, codes, scales, None)
+            narrow = CpuQuantWeight(qt, torch.device("cpu"), tiled=tiled)
+            eight = CpuQuantWeight(qt, torch.device("cpu"), tiled=tiled, narrow=False)
+            assert narrow.code_bits == bits and eight.code_bits == 8
+            assert narrow.tiled == eight.tiled == (tiled and n % 16 == 0)
+            assert narrow.packed.numel() * 8 == eight.packed.numel() * bits
+            narrow.act_bits = eight.act_bits = act_bits
+            for m in (1, 5, 17):
+                x = torch.randn(m, k, generator=gen)
+                assert torch.equal(narrow(x), eight(x)), (bits, n, k, group, m)
+            ids = torch.tensor([0, n - 1, 7, 0])
+            assert torch.equal(narrow.take_rows(ids).codes, codes[ids])
+            assert torch.equal(narrow.dequantize(), eight.dequantize())
     wide = QuantizedTensor(8, torch.full((16, 64), 32, dtype=torch.int8), torch.ones(16, 2), None)
-    assert not CpuQuantWeight(wide, torch.device("cpu"), tiled=tiled).q6  # 32 needs 7 bits: kept in 8
+    assert CpuQuantWeight(wide, torch.device("cpu"), tiled=tiled).code_bits == 8  # 32 needs 7 bits
 
 
 @needs_kernels
 def test_resident_bytes_stay_near_the_files():
     """Q4_K costs 4.5 bits a weight in the file and 4.625 here; Q6_K 6.5625 in both (6-bit codes, the file's
-    two-level scales); Q4_0 20 bytes a group (fp16 scale and min) for 18; Q5_0 34 for 22 (8-bit codes). Bytes
-    of the packed buffers over the file's block bytes."""
-    limits = {Q.Q4_0: 1.12, Q.Q4_K: 1.03, Q.Q6_K: 1.0, Q.Q5_0: 1.55}  # Q4_0 keeps a min (-8 d) per group
+    two-level scales); Q5_0 5.5 in both (5-bit codes, an fp16 scale); Q4_0 20 bytes a group (fp16 scale and
+    min) for 18. Bytes of the packed buffers over the file's block bytes."""
+    limits = {Q.Q4_0: 1.12, Q.Q4_K: 1.03, Q.Q6_K: 1.0, Q.Q5_0: 1.0}  # Q4_0 keeps a min (-8 d) per group
     for qtype, limit in limits.items():
         n, k = 64, 1024
         t, _ = kept(qtype, n, k)

@@ -216,7 +216,7 @@ class _Quantized(PackedWeight):
     scales: torch.Tensor  # [N, K // GROUP] float32 (fp16 in CpuQuantWeight where exact)
     mins: torch.Tensor | None
     packed: torch.Tensor  # the codes in the layout the kernel reads
-    q6 = False  # 8-bit codes kept in 6 bits (CpuQuantWeight)
+    code_bits = 8  # bits a code takes in memory: 4, 8, or 5 / 6 for 8-bit codes that fit (CpuQuantWeight)
 
     def __init__(self, qt: QuantizedTensor, device: torch.device) -> None:
         super().__init__(tuple(qt.shape))  # type: ignore[arg-type]
@@ -235,8 +235,8 @@ class CpuQuantWeight(_Quantized):
     """The C++ CPU kernels (``kernels/cpu_kernels.cpp``), in one of two layouts (``tiled``, by default where
     ``platform.cpu_has_vnni`` says the CPU has AVX-512 VNNI and the output width is a multiple of 16):
 
-    - rows (AVX2): 4-bit codes packed as GGUF's Q4 blocks, 8-bit codes as is (6 bits where they fit, as Q6_K's
-      do: ``_pack_q6``); activations on a 16-bit grid;
+    - rows (AVX2): 4-bit codes packed as GGUF's Q4 blocks, 8-bit codes as is (5 or 6 bits where they fit, as
+      Q5_0's and Q6_K's do: ``_pack_narrow``); activations on a 16-bit grid;
     - tiled (AVX-512 VNNI): tiles of 16 output columns, 4 codes per column per 32-bit lane (vpdpbusd's
       operand shape); activations on the same 16-bit grid, split into two bytes per code.
 
@@ -257,11 +257,11 @@ class CpuQuantWeight(_Quantized):
             tiled = cpu_has_vnni()
         self.tiled = tiled and n % TILE == 0
         g = k // GROUP
-        # 8-bit codes that all fit 6 bits (Q6_K's, -32 .. 31) are kept in 6 bits (``narrow``): a quarter fewer
-        # bytes to stream, the same products
-        self.q6 = narrow and qt.bits == 8 and qt.codes.numel() > 0 and int(qt.codes.min()) >= -32 and int(qt.codes.max()) < 32
-        if self.q6:
-            packed = _pack_q6(qt.codes, self.tiled)
+        # 8-bit codes that all fit 5 or 6 bits (Q5_0's, Q6_K's) are kept in those bits (``narrow``): fewer bytes
+        # to stream, the same products
+        self.code_bits = narrow_bits(qt.codes) if narrow and qt.bits == 8 else qt.bits
+        if self.code_bits in (5, 6):
+            packed = _pack_narrow(qt.codes, self.tiled, self.code_bits)
             if self.tiled:
                 self.scales = _tiles(self.scales)
         elif self.tiled:  # [n / 16, g, chunks, 16 columns, 4 codes]
@@ -306,8 +306,8 @@ class CpuQuantWeight(_Quantized):
         reads the LM head's own bytes (``TiedEmbedding``)."""
         n, k = self.shape
         g, t = k // GROUP, len(ids)
-        if self.q6:
-            codes = _unpack_q6(self.packed, ids, k, self.tiled)
+        if self.code_bits in (5, 6):
+            codes = _unpack_narrow(self.packed, ids, k, self.tiled, self.code_bits)
         elif self.tiled:
             tile, col, ar = ids // TILE, ids % TILE, torch.arange(t)
             if self.bits == 8:  # [t, g, 8 chunks, 4 codes] of each row's column
@@ -361,47 +361,68 @@ def set_activation_bits(model: nn.Module, bits: int) -> int:
     return n
 
 
-def _pack_q6(codes: torch.Tensor, tiled: bool) -> torch.Tensor:
-    """6-bit codes (int8 -32 .. 31, [n, k]) + 32 as the CPU kernels read them (kernels/cpu_kernels.cpp, "q6"):
-    rows [n, k / 32 * 24] (per group 16 bytes of nibbles as 4-bit codes have them, then 8 bytes whose bits
-    2 s, 2 s + 1 of byte j are code j + 8 s's high bits; all nibbles of a row first, then all high bits);
-    tiled [n / 16, k / 32, 384] (the 8-bit tiles' chunks j and j + 4 as one chunk of nibbles, j = 0..3, then
-    two chunks of high bits: chunk h, bits 2 s, 2 s + 1 = chunk 4 h + s's)."""
+def narrow_bits(codes: torch.Tensor) -> int:
+    """The fewest bits (5, 6, else 8) that hold every one of these int8 codes."""
+    if codes.numel() == 0:
+        return 8
+    lo, hi = int(codes.min()), int(codes.max())
+    return next(b for b in (5, 6, 8) if -(1 << (b - 1)) <= lo and hi < 1 << (b - 1))
+
+
+def _pack_narrow(codes: torch.Tensor, tiled: bool, bits: int) -> torch.Tensor:
+    """int8 codes that fit ``bits`` (5 or 6) stored + 2^(bits - 1) as the CPU kernels read them
+    (kernels/cpu_kernels.cpp, "narrow"): the low 4 bits as 4-bit codes have them, then the high bits.
+    - rows [n, k / 32 * 4 bits]: every group's 16 bytes of nibbles, then every group's high bits (6 bits:
+      8 bytes, bits 2 s, 2 s + 1 of byte j are code j + 8 s's; 5 bits: 4 bytes, bit c % 8 of byte c / 8 is
+      code c's);
+    - tiled [n / 16, k / 32, 64 bits]: the 8-bit tiles' chunks j and j + 4 as one chunk of nibbles (j = 0..3),
+      then the high bits (6 bits: two chunks, chunk h's bits 2 s, 2 s + 1 are chunk 4 h + s's; 5 bits: one
+      chunk, bit s is chunk s's)."""
     n, k = codes.shape
     g = k // GROUP
-    u = (codes.to(torch.int16) + 32).to(torch.uint8)
+    u = (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
     if tiled:
         words = u.contiguous().view(torch.int32).view(n // TILE, TILE, g, 8)
         b = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(n // TILE, g, 8, 64)
         nib = (b[:, :, :4] & 0xF) | ((b[:, :, 4:] & 0xF) << 4)  # [n / 16, g, 4, 64]
         hb = b >> 4
-        high = [hb[:, :, 4 * h] | (hb[:, :, 4 * h + 1] << 2) | (hb[:, :, 4 * h + 2] << 4) | (hb[:, :, 4 * h + 3] << 6)
-                for h in (0, 1)]
+        per = 8 // (bits - 4)  # chunks per high chunk
+        high = [sum((hb[:, :, c0 + s] << ((bits - 4) * s) for s in range(per)), torch.zeros_like(hb[:, :, 0]))
+                for c0 in range(0, 8, per)]
         return torch.cat([nib.reshape(n // TILE, g, 256), *high], dim=-1).contiguous()
     v = u.view(n, g, GROUP)
     nib = (v[..., :16] & 0xF) | ((v[..., 16:] & 0xF) << 4)  # [n, g, 16]
-    hv = (v >> 4).view(n, g, 4, 8)
-    hi = hv[:, :, 0] | (hv[:, :, 1] << 2) | (hv[:, :, 2] << 4) | (hv[:, :, 3] << 6)  # [n, g, 8]
-    return torch.cat([nib.reshape(n, g * 16), hi.reshape(n, g * 8)], dim=1).contiguous()
+    if bits == 6:
+        hv = (v >> 4).view(n, g, 4, 8)
+        hi = hv[:, :, 0] | (hv[:, :, 1] << 2) | (hv[:, :, 2] << 4) | (hv[:, :, 3] << 6)  # [n, g, 8]
+    else:
+        hv = (v >> 4).view(n, g, 4, 8)  # [.., byte, bit]
+        hi = sum((hv[..., t] << t for t in range(8)), torch.zeros_like(hv[..., 0]))  # [n, g, 4]
+    return torch.cat([nib.reshape(n, g * 16), hi.reshape(n, -1)], dim=1).contiguous()
 
 
-def _unpack_q6(packed: torch.Tensor, ids: torch.Tensor, k: int, tiled: bool) -> torch.Tensor:
-    """Rows ``ids`` of ``_pack_q6``'s codes, int8 [len(ids), k]."""
+def _unpack_narrow(packed: torch.Tensor, ids: torch.Tensor, k: int, tiled: bool, bits: int) -> torch.Tensor:
+    """Rows ``ids`` of ``_pack_narrow``'s codes, int8 [len(ids), k]."""
     g, t = k // GROUP, len(ids)
+    w = bits - 4  # high bits a code
     if tiled:
         tile, col = ids // TILE, ids % TILE
-        b = packed[tile]  # [t, g, 384]
+        b = packed[tile]  # [t, g, 64 bits]
         ar = torch.arange(t)
         nib = b[..., :256].reshape(t, g, 4, TILE, 4)[ar, :, :, col]  # [t, g, 4 chunks, 4 codes]
-        hi = b[..., 256:].reshape(t, g, 2, TILE, 4)[ar, :, :, col]  # [t, g, 2, 4]
+        hi = b[..., 256:].reshape(t, g, w, TILE, 4)[ar, :, :, col]  # [t, g, high chunks, 4]
         low = torch.cat([nib & 0xF, nib >> 4], dim=2)  # [t, g, 8 chunks, 4]
-        high = torch.stack([(hi >> (2 * s)) & 3 for s in range(4)], dim=3).reshape(t, g, 8, 4)
+        per = 8 // w
+        high = torch.stack([(hi >> (w * s)) & ((1 << w) - 1) for s in range(per)], dim=3).reshape(t, g, 8, 4)
     else:
         c = packed.index_select(0, ids)
-        nib, hi = c[:, :g * 16].reshape(t, g, 16), c[:, g * 16:].reshape(t, g, 8)
+        nib, hi = c[:, :g * 16].reshape(t, g, 16), c[:, g * 16:].reshape(t, g, 4 * w)
         low = torch.cat([nib & 0xF, nib >> 4], dim=-1)  # [t, g, 32]
-        high = torch.stack([(hi >> (2 * s)) & 3 for s in range(4)], dim=2).reshape(t, g, GROUP)
-    return ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(t, k)
+        if bits == 6:
+            high = torch.stack([(hi >> (2 * s)) & 3 for s in range(4)], dim=2).reshape(t, g, GROUP)
+        else:
+            high = torch.stack([(hi >> s) & 1 for s in range(8)], dim=-1).reshape(t, g, GROUP)
+    return ((low | (high << 4)).to(torch.int16) - (1 << (bits - 1))).to(torch.int8).reshape(t, k)
 
 
 def _blob(sub: torch.Tensor, sup: torch.Tensor, halves: int, tiled: bool) -> torch.Tensor:
@@ -652,7 +673,7 @@ def describe_weights(model: nn.Module) -> str:
         if isinstance(m, QuantEmbedding):
             kinds[f"int{m.bits} embedding"] = [0, sum(b.numel() * b.element_size() for b in m.buffers())]
         if isinstance(m, PackedWeight) and not isinstance(m, ConcatWeight):  # (its parts are counted)
-            kind = f"int{6 if m.q6 else m.bits}" if isinstance(m, _Quantized) else "dense"
+            kind = f"int{m.code_bits if m.bits == 8 else m.bits}" if isinstance(m, _Quantized) else "dense"
             nbytes = sum(b.numel() * b.element_size() for b in list(m.buffers()) + list(m.parameters()))
             entry = kinds.setdefault(kind, [0, 0])
             entry[0], entry[1] = entry[0] + 1, entry[1] + nbytes

@@ -164,29 +164,55 @@ template <int H> struct Blob {
 //   q4 (one 32-byte load = groups a, b; low nibbles are codes 0-15, high nibbles 16-31), widened in-lane with
 //   unpack (lane 0 = group a, lane 1 = group b);
 //   q8 (groups a, b are 32 bytes each): [a0-15 | b0-15] and [a16-31 | b16-31], sign-extended in-lane;
-//   q6 (``kQ6``, Q6_K's 6-bit codes): the low 4 bits as q4's nibbles, the high 2 bits from ``qh`` (8 bytes a
-//   group: bits 2 s, 2 s + 1 of byte j are code j + 8 s's), then - 32 and on as q8.
-template <bool kQ4, bool lone, bool kQ6 = false>
+//   narrow (``kNarrow`` 5 or 6: 8-bit codes kept in 5 or 6 bits, Q5_0's and Q6_K's): the low 4 bits as q4's
+//   nibbles, the high bits from ``qh`` (6 bits: 8 bytes a group, bits 2 s, 2 s + 1 of byte j are code
+//   j + 8 s's; 5 bits: 4 bytes a group, bit c % 8 of byte c / 8 is code c's), then - 2^(bits - 1), on as q8.
+template <bool kQ4, bool lone, int kNarrow = 0>
 inline void block_codes(const uint8_t* qn, int64_t b, __m256i u[4], const uint8_t* qh = nullptr) {
   const __m256i z = _mm256_setzero_si256();
   __m256i r0, r1;  // bytes: [a0-15 | b0-15], [a16-31 | b16-31] (lone: [a0-15 | a16-31] in r0)
-  if constexpr (kQ6) {
-    const __m256i m = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), bias = _mm256_set1_epi8(32);
+  if constexpr (kNarrow != 0) {
+    const __m256i m = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8(kNarrow == 6 ? 32 : 16);
+    __m256i h0, h1 = z;  // each code's high bits at bits 4 (, 5) of its byte, in r0's / r1's order
+    if constexpr (kNarrow == 6) {
+      const __m256i m2 = _mm256_set1_epi8(0x03);
+      if constexpr (lone) {
+        int64_t ha; std::memcpy(&ha, qh + b * 16, 8);
+        h0 = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(ha), _mm256_setr_epi64x(0, 2, 4, 6)), m2);
+      } else {
+        const __m256i hh = _mm256_permute4x64_epi64(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + b * 16))), 0x50);  // [Ha Ha Hb Hb]
+        h0 = _mm256_and_si256(_mm256_srlv_epi64(hh, _mm256_setr_epi64x(0, 2, 0, 2)), m2);
+        h1 = _mm256_and_si256(_mm256_srlv_epi64(hh, _mm256_setr_epi64x(4, 6, 4, 6)), m2);
+      }
+      h0 = _mm256_slli_epi16(h0, 4);
+      h1 = _mm256_slli_epi16(h1, 4);
+    } else {  // one bit a code: byte i of a lane takes the byte holding its bit, then tests that bit
+      const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL), top = _mm256_set1_epi8(0x10);
+      auto expand = [&](__m256i v, __m256i pick) {
+        const __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(v, pick), bit);
+        return _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), top);
+      };
+      if constexpr (lone) {
+        int32_t wa; std::memcpy(&wa, qh + b * 8, 4);
+        h0 = expand(_mm256_set1_epi32(wa), _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                              0x0303030303030303LL));
+      } else {
+        int64_t w; std::memcpy(&w, qh + b * 8, 8);  // [Wa | Wb]
+        const __m256i v = _mm256_set1_epi64x(w);
+        h0 = expand(v, _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0404040404040404LL, 0x0505050505050505LL));
+        h1 = expand(v, _mm256_setr_epi64x(0x0202020202020202LL, 0x0303030303030303LL, 0x0606060606060606LL,
+                                          0x0707070707070707LL));
+      }
+    }
     if constexpr (lone) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * 32));
       r0 = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), m);
-      int64_t ha; std::memcpy(&ha, qh + b * 16, 8);
-      const __m256i hh = _mm256_set1_epi64x(ha);  // [Ha Ha Ha Ha]
-      const __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(hh, _mm256_setr_epi64x(0, 2, 4, 6)), m2);
-      r0 = _mm256_sub_epi8(_mm256_or_si256(r0, _mm256_slli_epi16(hi, 4)), bias);
+      r0 = _mm256_sub_epi8(_mm256_or_si256(r0, h0), bias);
     } else {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + b * 32));
-      const __m256i hh = _mm256_permute4x64_epi64(
-          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + b * 16))), 0x50);  // [Ha Ha Hb Hb]
-      const __m256i h0 = _mm256_and_si256(_mm256_srlv_epi64(hh, _mm256_setr_epi64x(0, 2, 0, 2)), m2);
-      const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi64(hh, _mm256_setr_epi64x(4, 6, 4, 6)), m2);
-      r0 = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, m), _mm256_slli_epi16(h0, 4)), bias);
-      r1 = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m), _mm256_slli_epi16(h1, 4)), bias);
+      r0 = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, m), h0), bias);
+      r1 = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m), h1), bias);
     }
     const __m256i s0 = _mm256_cmpgt_epi8(z, r0);
     u[0] = _mm256_unpacklo_epi8(r0, s0); u[1] = _mm256_unpackhi_epi8(r0, s0);
@@ -230,9 +256,9 @@ inline void block_codes(const uint8_t* qn, int64_t b, __m256i u[4], const uint8_
 // and scaled by scale * d per lane in fp32. With half-group scales (8-bit codes, Blob<2>) the first and the
 // second 16 codes of each group are summed and scaled apart. R is a template argument so the accumulators stay
 // in registers; the arithmetic of a row is the same for every R.
-template <bool kQ4, typename Sc, int R, bool kQ6 = false>
+template <bool kQ4, typename Sc, int R, int kNarrow = 0>
 void tile(const Rows& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  const int64_t G = xq.G, B = xq.B, bytes = kQ4 ? 16 : kQ6 ? 24 : 32;
+  const int64_t G = xq.G, B = xq.B, bytes = kQ4 ? 16 : kNarrow ? 4 * kNarrow : 32;  // narrow: 16 + 4 or 8
   const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const int16_t* xb = xq.q.data() + m0 * B * 64; const float* dvb = xq.dv.data() + m0 * B * 8;
   for (int64_t n = n0; n < n1; ++n) {
@@ -244,7 +270,7 @@ void tile(const Rows& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float*
       constexpr bool lone = decltype(lone_t)::value;
       if (b % 4 == 0) up = sc.sup(n, 2 * b);
       __m256i u[4];
-      block_codes<kQ4, lone, kQ6>(qn, b, u, kQ6 ? qn + G * 16 : nullptr);
+      block_codes<kQ4, lone, kNarrow>(qn, b, u, kNarrow ? qn + G * 16 : nullptr);
       if constexpr (Sc::kHalves == 2) {  // lanes of u0 + u1: [a lo | b lo] (lone: [a lo | a hi]); of u2 + u3: [a hi | b hi]
         const __m256 f = _mm256_castps128_ps256(sc.four(n, 2 * b, up));  // [a lo, a hi, b lo, b hi]
         const __m256 wlo = _mm256_permutevar8x32_ps(f, lone ? pair : _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
@@ -286,13 +312,13 @@ void tile(const Rows& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float*
     }
   }
 }
-template <bool kQ4, typename Sc, bool kQ6 = false>
+template <bool kQ4, typename Sc, int kNarrow = 0>
 void mm_rows(const Rows& xq, const at::Tensor& q, const Sc& sc, const Sc& mins, at::Tensor& y) {
   const int64_t M = y.size(0), N = y.size(1);
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr()); float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowTile)
-      with_rows<kRowTile>(M - m0, [&](auto r) { tile<kQ4, Sc, decltype(r)::value, kQ6>(xq, qp, sc, mins, yp, N, m0, n0, n1); });
+      with_rows<kRowTile>(M - m0, [&](auto r) { tile<kQ4, Sc, decltype(r)::value, kNarrow>(xq, qp, sc, mins, yp, N, m0, n0, n1); });
   });
 }
 // run(scales, mins) with the accessors (BlobT: Blob or Blob16, PlainT: Plain or Plain16) a weight's scales
@@ -324,9 +350,10 @@ void with_scales(const at::Tensor& sc, const c10::optional<at::Tensor>& mins, in
 //   q4: [N / 16, G, 256] uint8; per (tile, group) four 64-byte chunks j = 0..3, byte 4 c + b of chunk j holds
 //       column c's code k = 4 j + b (low nibble) and k = 16 + 4 j + b (high nibble);
 //   q8: [N / 16, G, 512] uint8; eight chunks j = 0..7, byte 4 c + b of chunk j holds code (k = 4 j + b) + 128;
-//   q6 (Q6_K's 6-bit codes, read as q8): [N / 16, G, 384]: four chunks of low nibbles as q4's (chunk j: codes
-//       of q8's chunks j and j + 4), then two chunks of high bits: bits 2 s, 2 s + 1 of byte i of chunk h are
-//       those of byte i of q8's chunk 4 h + s; each code is stored + 32 (0 .. 63).
+//   narrow (8-bit codes kept in 5 or 6 bits, Q5_0's and Q6_K's; read as q8): [N / 16, G, 64 bits]: four chunks
+//       of low nibbles as q4's (chunk j: codes of q8's chunks j and j + 4), then the high bits: 6 bits, two
+//       chunks, bits 2 s, 2 s + 1 of byte i of chunk h are those of byte i of q8's chunk 4 h + s; 5 bits, one
+//       chunk, bit s of byte i is byte i of q8's chunk s's; each code is stored + 2^(bits - 1).
 //   scales, mins: [N / 16, G, 16], column c of the tile in lane c.
 // Activations are rounded per group to a 16-bit grid as in the row layout, with 32512 = 127 * 256 levels so
 // each code splits into two signed bytes, c = 256 h + l. A row times a tile is then, per group, 16 vpdpbusd
@@ -432,10 +459,10 @@ template <int H> struct Blob16 {
 
 // Rows m0 .. m0 + R of y, column tiles [t0, t1). With half-group scales (8-bit codes, Blob16<2>) chunks 0-3
 // (codes 0-15) and 4-7 (16-31) are summed and scaled apart.
-template <bool kQ4, bool kA8, typename Sc, int R, bool kQ6 = false>
+template <bool kQ4, bool kA8, typename Sc, int R, int kNarrow = 0>
 void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, float* y, int64_t N, int64_t m0,
             int64_t t0, int64_t t1) {
-  const int64_t G = xq.G, bytes = kQ4 ? 256 : kQ6 ? 384 : 512;
+  const int64_t G = xq.G, bytes = kQ4 ? 256 : kNarrow ? 64 * kNarrow : 512;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[R];
@@ -452,17 +479,26 @@ void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, fl
           w[j] = _mm512_and_si512(raw, low);
           w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
         }
-      } else if constexpr (kQ6) {  // (nibble | high bits << 4) + 96: the code + 128, as q8 stores it
-        const __m512i h0 = _mm512_loadu_si512(qg + 256), h1 = _mm512_loadu_si512(qg + 320);
-        const __m512i top = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi8(96);
-        auto high = [&](__m512i h, int j) {  // bits 2 j, 2 j + 1 of each byte moved to bits 4, 5
-          return _mm512_and_si512(j == 0 ? _mm512_slli_epi16(h, 4) : j == 1 ? _mm512_slli_epi16(h, 2)
-                                  : j == 2 ? h : _mm512_srli_epi16(h, 2), top);
+      } else if constexpr (kNarrow != 0) {  // (nibble | high bits << 4) + 128 - 2^(bits - 1): as q8 stores it
+        const __m512i bias = _mm512_set1_epi8(kNarrow == 6 ? 96 : 112);
+        auto shifted = [](__m512i h, int by) {  // by > 0: left (16-bit lanes: the mask below drops what crosses)
+          return by > 0 ? _mm512_slli_epi16(h, by) : by < 0 ? _mm512_srli_epi16(h, -by) : h;
         };
+        __m512i hi[8];
+        if constexpr (kNarrow == 6) {  // chunk 4 h + s's bits at bits 2 s, 2 s + 1 of high chunk h
+          const __m512i h0 = _mm512_loadu_si512(qg + 256), h1 = _mm512_loadu_si512(qg + 320), top = _mm512_set1_epi8(0x30);
+          for (int s = 0; s < 4; ++s) {
+            hi[s] = _mm512_and_si512(shifted(h0, 4 - 2 * s), top);
+            hi[s + 4] = _mm512_and_si512(shifted(h1, 4 - 2 * s), top);
+          }
+        } else {  // chunk s's bit at bit s of the one high chunk
+          const __m512i h = _mm512_loadu_si512(qg + 256), top = _mm512_set1_epi8(0x10);
+          for (int c = 0; c < 8; ++c) hi[c] = _mm512_and_si512(shifted(h, 4 - c), top);
+        }
         for (int j = 0; j < 4; ++j) {
           const __m512i raw = _mm512_loadu_si512(qg + 64 * j);
-          w[j] = _mm512_add_epi8(_mm512_or_si512(_mm512_and_si512(raw, low), high(h0, j)), bias);
-          w[j + 4] = _mm512_add_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), high(h1, j)), bias);
+          w[j] = _mm512_add_epi8(_mm512_or_si512(_mm512_and_si512(raw, low), hi[j]), bias);
+          w[j + 4] = _mm512_add_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), hi[j + 4]), bias);
         }
       } else {
         for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(qg + 64 * j);
@@ -531,7 +567,7 @@ void tile16(const Rows16& xq, const uint8_t* q, const Sc& sc, const Sc& mins, fl
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + t * kTile16, acc[r]);
   }
 }
-template <bool kQ4, bool kA8, typename Sc, bool kQ6 = false>
+template <bool kQ4, bool kA8, typename Sc, int kNarrow = 0>
 void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const Sc& sc, const Sc& mins, float* yp, int64_t M, int64_t N) {
   // A thread's tiles in blocks of kTileBlock, each block over every row tile: a block's weights stay in cache
   // while a long prompt's rows pass (a decode step has one row tile, one pass).
@@ -540,7 +576,7 @@ void mm_tiled_rows(const Rows16& xq, const uint8_t* qp, const Sc& sc, const Sc& 
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileBlock) {
       const int64_t t1 = std::min(t_end, t0 + kTileBlock);
       for (int64_t m0 = 0; m0 < M; m0 += kRows16)
-        with_rows<kRows16>(M - m0, [&](auto r) { tile16<kQ4, kA8, Sc, decltype(r)::value, kQ6>(xq, qp, sc, mins, yp, N, m0, t0, t1); });
+        with_rows<kRows16>(M - m0, [&](auto r) { tile16<kQ4, kA8, Sc, decltype(r)::value, kNarrow>(xq, qp, sc, mins, yp, N, m0, t0, t1); });
     }
   });
 }
@@ -549,8 +585,8 @@ at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
                     int64_t act_bits) {
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, N = q.size(0) * kTile16;
   const bool half = sc.scalar_type() == at::kHalf, blob = sc.scalar_type() == at::kByte;
-  const bool q6 = !kQ4 && q.size(2) == 384;
-  TORCH_CHECK(q.is_contiguous() && q.size(1) == G && (q.size(2) == (kQ4 ? 256 : 512) || q6) && sc.is_contiguous() &&
+  const int64_t narrow = kQ4 || q.size(2) % 64 ? 0 : q.size(2) / 64 == 5 ? 5 : q.size(2) / 64 == 6 ? 6 : 0;
+  TORCH_CHECK(q.is_contiguous() && q.size(1) == G && (q.size(2) == (kQ4 ? 256 : 512) || narrow) && sc.is_contiguous() &&
               sc.dim() == 3 && sc.size(0) == q.size(0), "tiled weight shape does not match x");
   const bool halves = !blob && !kQ4 && sc.size(1) == 2 * G;  // fp32 / fp16 per half group
   TORCH_CHECK(blob ? (G % 8 == 0 && sc.size(1) == G / 8 && (sc.size(2) == 160 || (!kQ4 && sc.size(2) == 288)))
@@ -566,12 +602,17 @@ at::Tensor mm_tiled(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   float* yp = y.data_ptr<float>();
   with_scales<kQ4, Blob16, Plain16>(sc, mins, G, halves, 32, 128,
                                      [&](auto s, auto m) {
-                                       if (q6) {
-                                         if constexpr (!kQ4) {
-                                           if (act_bits == 8) mm_tiled_rows<false, true, decltype(s), true>(xq, qp, s, m, yp, M, N);
-                                           else mm_tiled_rows<false, false, decltype(s), true>(xq, qp, s, m, yp, M, N);
+                                       using S = decltype(s);
+                                       if constexpr (!kQ4) {
+                                         if (narrow) {
+                                           if (narrow == 5 && act_bits == 8) mm_tiled_rows<false, true, S, 5>(xq, qp, s, m, yp, M, N);
+                                           else if (narrow == 5) mm_tiled_rows<false, false, S, 5>(xq, qp, s, m, yp, M, N);
+                                           else if (act_bits == 8) mm_tiled_rows<false, true, S, 6>(xq, qp, s, m, yp, M, N);
+                                           else mm_tiled_rows<false, false, S, 6>(xq, qp, s, m, yp, M, N);
+                                           return;
                                          }
-                                       } else if (act_bits == 8) mm_tiled_rows<kQ4, true>(xq, qp, s, m, yp, M, N);
+                                       }
+                                       if (act_bits == 8) mm_tiled_rows<kQ4, true>(xq, qp, s, m, yp, M, N);
                                        else mm_tiled_rows<kQ4, false>(xq, qp, s, m, yp, M, N);
                                      });
   return y;
@@ -588,8 +629,9 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc,
   if (q.dim() == 3) return mm_tiled<kQ4>(x, q, sc, mins, act_bits).to(x_in.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = sc.size(0), G = K / kGroup;
   const bool half = sc.scalar_type() == at::kHalf, blob = sc.scalar_type() == at::kByte;
-  const bool q6 = !kQ4 && q.numel() == N * K / 4 * 3;  // Q6_K's codes: nibbles, then 2 high bits each
-  TORCH_CHECK(sc.is_contiguous() && q.is_contiguous() && (q.numel() == N * K / (kQ4 ? 2 : 1) || q6),
+  // narrow 8-bit codes (5 or 6 bits: nibbles, then the high bits): 20 or 24 bytes a group instead of 32
+  const int64_t narrow = kQ4 ? 0 : q.numel() == N * K / 32 * 20 ? 5 : q.numel() == N * K / 32 * 24 ? 6 : 0;
+  TORCH_CHECK(sc.is_contiguous() && q.is_contiguous() && (q.numel() == N * K / (kQ4 ? 2 : 1) || narrow),
               "weight shape does not match x");
   const bool halves = !blob && !kQ4 && sc.size(1) == 2 * G;  // fp32 / fp16 per half group
   TORCH_CHECK(blob ? (sc.dim() == 3 && G % 8 == 0 && sc.size(1) == G / 8 && (sc.size(2) == 10 || (!kQ4 && sc.size(2) == 18)))
@@ -600,8 +642,11 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sc,
   const Rows xq = quantize_rows(x.data_ptr<float>(), M, K, act_bits == 8 ? 127.f : 32767.f);
   at::Tensor y = at::empty({M, N}, x.options());
   with_scales<kQ4, Blob, Plain>(sc, mins, G, halves, 2, 8, [&](auto s, auto m) {
-    if (q6) mm_rows<kQ4, decltype(s), true>(xq, q, s, m, y);
-    else mm_rows<kQ4>(xq, q, s, m, y);
+    if constexpr (!kQ4) {
+      if (narrow == 5) return mm_rows<false, decltype(s), 5>(xq, q, s, m, y);
+      if (narrow == 6) return mm_rows<false, decltype(s), 6>(xq, q, s, m, y);
+    }
+    mm_rows<kQ4>(xq, q, s, m, y);
   });
   return y.to(x_in.scalar_type());
 }
