@@ -26,6 +26,7 @@ def test_an_off_probe_goes_to_the_request_with_the_least_backlog():
     for n in (1, 2, 3, 4, 5):  # verification rows as dear as the step: the model says off
         c.record_target(n, 0.010 * n)
     c.record_draft(1, 0.005)
+    c.record_acceptance("x", 3, 0)  # the source was verified before (its first plan would probe anyway)
     probes = [c.choose_ks(["a", "b", "c"], backlog=[400, 3, 250]) for _ in range(60)]
     assert all(ks[0] == 0 and ks[2] == 0 for ks in probes) and any(ks[1] for ks in probes)
 
@@ -43,6 +44,7 @@ def test_off_probes_spend_at_most_their_share_of_the_time():
         c.record_draft(1, 0.012)
         c.record_catch_up(100, 0.15)
         c.record_catch_up(300, 0.45)
+        c.record_acceptance("x", 3, 0)  # the source was verified before
         probes = sum(any(c.choose_ks([f"r{i}" for i in range(8)], backlog=[backlog] * 8)) for _ in range(steps))
         return probes, c._catch_up
 

@@ -12,6 +12,7 @@ from specserve.config import EngineConfig, SpecserveError, SpeculativeConfig
 from specserve.spec_decode.controller import SpecController, StepCost, expected_tokens, ideal_speedup
 from specserve.spec_decode.ngram import NgramProposer, lookup
 from specserve.spec_decode.proposer import ProposeRequest
+from specserve.spec_decode.state import Acceptance, Source
 from tests.helpers import tiny_hf_model
 
 
@@ -386,8 +387,37 @@ def test_marginal_predicted_gain_does_not_draft(alpha, min_gain, drafts):
     for n in (1, 2):
         c.record_target(n, 0.010)
     c.record_draft(1, 0.0005)
+    c._global[Source.METHOD] = Acceptance(1)  # verified before, counts faded out (else its first drafts probe)
     assert c.rates("new request")[0] == pytest.approx(alpha)
     assert c.choose_ks(["new request"]) == ([1] if drafts else [0])
+
+
+def test_a_never_verified_source_gets_one_full_probe():
+    """Priced at the prior alone, a draft model can look too dear to ever try; the first plan of a source never
+    verified drafts max_k for the request with the least to catch up on, then the plan decides."""
+    c = SpecController(max_k=4, explore_every=10**6)
+    for n in (1, 2, 3, 4, 5):
+        c.record_target(n, 0.010 * n)  # verification as dear as decoding: the plan alone would never draft
+    c.record_draft(1, 0.005)
+    assert c.choose_ks(["a", "b"], backlog=[50.0, 3.0]) == [0, 4]
+    c.record_acceptance("b", 4, 4)
+    assert c.choose_ks(["a", "b"], backlog=[50.0, 0.0]) == [0, 0]
+
+
+def test_a_requests_stale_rejections_fade():
+    """One rejected draft at position 2 stops deeper drafts only for a while: a position's counts fade by
+    IDLE_DECAY per step its request's drafts do not reach it, back toward the source's global rates."""
+    from specserve.spec_decode.controller import IDLE_DECAY
+
+    c = SpecController(max_k=4, explore_every=10**6)
+    for _ in range(20):
+        c.record_acceptance("others", 4, 4)
+    c.record_acceptance("r", 4, 1)
+    fresh = c.rates("r")
+    assert fresh[1] < 0.7 * c.global_rates[1]
+    c._step += 11  # ten steps without reaching position 2
+    assert c.rates("r")[1] > fresh[1] and c.rates("r")[1] == pytest.approx(
+        (2 * c.global_rates[1]) / (IDLE_DECAY ** 10 + 2), rel=1e-6)
 
 
 def test_cost_observers_see_every_sample():
@@ -431,6 +461,7 @@ def _drain_controller(alpha: float, per_token: float) -> SpecController:
         c.record_target(n, 0.010 + per_token * n)
     for n in range(1, 9):
         c.record_draft(n, 0.0001)
+    c._global[Source.METHOD] = Acceptance(4)  # verified before, no counts left: the plans price the prior
     return c
 
 

@@ -116,12 +116,16 @@ def catch_up_slope(samples: Sequence[tuple[int, float]]) -> float:
     return sum(ys) / sum(xs)
 
 
-def gains_over_prior(counts: Acceptance | None, prior: Sequence[float], weight: float) -> list[float]:
-    """m_j = c_1 ... c_j for each position j of ``prior``, where c_j = (accepted_j + weight * prior_j) /
-    (tried_j + weight): a position's decayed counts over its prior (the prior alone where not counted)."""
+def gains_over_prior(counts: Acceptance | None, prior: Sequence[float], weight: float,
+                     scale: Sequence[float] | None = None) -> list[float]:
+    """m_j = c_1 ... c_j for each position j of ``prior``, where c_j = (s_j accepted_j + weight * prior_j) /
+    (s_j tried_j + weight): a position's decayed counts (weighted by ``scale``, s_j, default 1) over its prior
+    (the prior alone where not counted)."""
     out, m = [], 1.0
     for j, p in enumerate(prior):
-        c = p if counts is None or j >= len(counts.acc) else (counts.acc[j] + weight * p) / (counts.tried[j] + weight)
+        s = 1.0 if scale is None else scale[j]
+        c = p if counts is None or j >= len(counts.acc) else \
+            (s * counts.acc[j] + weight * p) / (s * counts.tried[j] + weight)
         m *= c
         out.append(m)
     return out
@@ -129,6 +133,10 @@ def gains_over_prior(counts: Acceptance | None, prior: Sequence[float], weight: 
 
 PRIOR_ALPHA = 0.6  # acceptance of a draft position before it is measured
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior in an estimate
+# A request's own counts of a draft position fade by this factor per step in which its drafts did not reach
+# that position (toward the source's global rates): one unlucky draft must not keep a request from drafting,
+# or from drafting deeper, for the rest of its life.
+IDLE_DECAY = 0.9
 PROBE_SHARE = 0.02  # of the step time while the plan is "no drafts", what probing it may spend
 
 
@@ -207,7 +215,7 @@ class SpecController:
         acc = per.get(source)
         if acc is None:
             acc = per[source] = Acceptance(k)
-        acc.observe(num_draft, num_accepted, decay=0.8)
+        acc.observe(num_draft, num_accepted, decay=0.8, step=self._step)
         g = self._global.get(source)
         if g is None:
             g = self._global[source] = Acceptance(k)
@@ -243,17 +251,23 @@ class SpecController:
             observer("draft", num_reqs, seconds_per_step)
 
     def rates(self, req_id: str, source: Source = Source.METHOD) -> list[float]:
-        """Conditional acceptance c_1..c_K of a request: its decayed counts over the global prior."""
+        """Conditional acceptance c_1..c_K of a request: its decayed counts over the global prior (a position's
+        counts fading by ``IDLE_DECAY`` per step since the request's drafts last reached it)."""
         g, w = self._global_of(source), self.prior_weight
         acc = self.states.acceptance(req_id, source)
         if acc is None:
             return list(g)
-        return [(a + w * p) / (t + w) for a, t, p in zip(acc.acc, acc.tried, g)]
+        return [(s * a + w * p) / (s * t + w) for a, t, p, s in zip(acc.acc, acc.tried, g, self._idle_scale(acc))]
 
     def gains(self, req_id: str, source: Source = Source.METHOD) -> list[float]:
         """m_j = c_1 ... c_j of ``rates``: expected tokens draft j adds (non-increasing in j)."""
-        return gains_over_prior(self.states.acceptance(req_id, source), self._global_of(source)[:self.max_k],
-                                self.prior_weight)
+        acc = self.states.acceptance(req_id, source)
+        return gains_over_prior(acc, self._global_of(source)[:self.max_k], self.prior_weight,
+                                self._idle_scale(acc) if acc is not None else None)
+
+    def _idle_scale(self, acc: Acceptance) -> list[float]:
+        # a position observed at the last step does not fade (its record comes after that step's plan)
+        return [IDLE_DECAY ** max(self._step - last - 1, 0) for last in acc.last]
 
     # -- decision -------------------------------------------------------------------------------------------
     def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[Source] | None = None,
@@ -283,28 +297,42 @@ class SpecController:
             lag = list(backlog) if backlog else [0.0] * len(req_ids)
             ks = self._best(req_ids, srcs, other_tokens, lag) if remaining is None or len(req_ids) == 1 \
                 else self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
-            self._since_explore += 1
-            off = not any(ks)
-            if off:  # probes are paid from a budget that accrues while the plan is off
-                self._probe_budget += PROBE_SHARE * (self.target_cost.predict(other_tokens + len(req_ids)) or 0.0)
-            if self._since_explore >= self._explore_gap:  # keep the estimates honest around the optimum
-                self._since_explore = 0
-                if not off:
-                    self._explore_gap = self.explore_every
-                    step = 1 if self._step % 2 else -1
-                    ks = [min(self.max_k, max(0, k + step)) for k in ks]
-                else:
-                    self._probe(ks, srcs, other_tokens, lag)
+            unseen = [i for i, s in enumerate(srcs) if s not in self._global]
+            if unseen and not any(ks):
+                # A source never verified yet is priced at the prior (0.6, then falling), which a draft model's
+                # cost can keep from ever drafting: its first drafts go to the request with the least to
+                # catch up on, max_k of them, so every position gets measured.
+                ks[min(unseen, key=lambda i: lag[i])] = self.max_k
+            else:
+                self._explore(ks, srcs, other_tokens, lag)
         self.last_k = max(ks)
         return ks
+
+    def _explore(self, ks: list[int], sources: list[Source], other: int, lag: Sequence[float]) -> None:
+        """Every ``explore_every`` steps while drafting, each k is nudged up or down by one; while the plan
+        is "no drafts", a probe (``_probe``) at gaps that double while the plan stays off."""
+        self._since_explore += 1
+        off = not any(ks)
+        if off:  # probes are paid from a budget that accrues while the plan is off
+            self._probe_budget += PROBE_SHARE * (self.target_cost.predict(other + len(ks)) or 0.0)
+        if self._since_explore < self._explore_gap:
+            return
+        self._since_explore = 0
+        if off:
+            self._probe(ks, sources, other, lag)
+            return
+        self._explore_gap = self.explore_every
+        step = 1 if self._step % 2 else -1
+        ks[:] = [min(self.max_k, max(0, k + step)) for k in ks]
 
     def _probe(self, ks: list[int], sources: list[Source], other: int, lag: Sequence[float]) -> None:
         """While the plan is "no drafts": one request drafts one token, which measures acceptance and T(B + 1)
         as well as all of them would. A draft model or head first catches up on every token since the request
         last drafted (a new request's whole prompt), so the probe goes to the request with the least to catch
-        up on (in turn among equals), and only once the budget (``PROBE_SHARE`` of the steps since the plan
-        went off) covers its predicted cost: at a draft model's 1.5 ms a token, a 200-token catch-up is worth
-        four steps of a 1.5B target at batch 8.
+        up on (in turn among equals). In a batch it waits until a budget (``PROBE_SHARE`` of the steps since
+        the plan went off) covers its predicted cost: at a draft model's 1.5 ms a token, a 200-token catch-up
+        is worth four steps of a 1.5B target at batch 8. A request alone delays nobody else, and drafting's
+        upside is largest there: it probes at every gap.
 
         NOTE: exploring away from k = 0 costs real time when drafts keep failing, so the gap doubles each time
         the model still says "off" (and resets once speculation pays again)."""
@@ -315,9 +343,9 @@ class SpecController:
         cost = max((self.target_cost.predict(b + 1) or 0.0) - (self.target_cost.predict(b) or 0.0), 0.0)
         if sources[i] not in FREE_SOURCES:
             cost += (self.draft_cost.predict(1) or 0.0) + self._catch_up * lag[i]
-        if cost > self._probe_budget:
+        if len(ks) > 1 and cost > self._probe_budget:
             return  # not yet: the next gap tries again
-        self._probe_budget -= cost
+        self._probe_budget = max(self._probe_budget - cost, 0.0)
         self._explore_gap = min(self._explore_gap * 2, 64 * self.explore_every)
         ks[i] = min(self.max_k, 1)
 

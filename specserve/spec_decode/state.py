@@ -39,17 +39,19 @@ FREE_SOURCES = frozenset({Source.LOOKUP, Source.GRAMMAR})  # drafts that cost no
 class Acceptance:
     """Decayed counts of (accepted, tried) per draft position 1..K -> conditional acceptance c_j."""
 
-    __slots__ = ("acc", "tried")
+    __slots__ = ("acc", "tried", "last")
 
     def __init__(self, k: int) -> None:
         self.acc = [0.0] * k
         self.tried = [0.0] * k
+        self.last = [0] * k  # per position, the controller's step of its last observation (``step``)
 
-    def observe(self, num_draft: int, num_accepted: int, decay: float) -> None:
+    def observe(self, num_draft: int, num_accepted: int, decay: float, step: int = 0) -> None:
         """Drafts 1..num_accepted were accepted; draft num_accepted + 1 (if drafted) was rejected."""
         for j in range(min(num_draft, num_accepted + 1, len(self.acc))):
             self.acc[j] = decay * self.acc[j] + (1.0 if j < num_accepted else 0.0)
             self.tried[j] = decay * self.tried[j] + 1.0
+            self.last[j] = step
 
 
 class FeatureBuffer:
