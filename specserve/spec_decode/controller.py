@@ -309,8 +309,10 @@ class SpecController:
         return ks
 
     def _explore(self, ks: list[int], sources: list[Source], other: int, lag: Sequence[float]) -> None:
-        """Every ``explore_every`` steps while drafting, each k is nudged up or down by one; while the plan
-        is "no drafts", a probe (``_probe``) at gaps that double while the plan stays off."""
+        """Every ``explore_every`` steps while drafting, each drafting request's k is nudged up or down by one
+        (one not drafting stays at 0: starting it may mean a catch-up on its whole backlog, which is the
+        plan's call, or a probe's); while the plan is "no drafts", a probe (``_probe``) at gaps that double
+        while the plan stays off."""
         self._since_explore += 1
         off = not any(ks)
         if off:  # probes are paid from a budget that accrues while the plan is off
@@ -323,7 +325,7 @@ class SpecController:
             return
         self._explore_gap = self.explore_every
         step = 1 if self._step % 2 else -1
-        ks[:] = [min(self.max_k, max(0, k + step)) for k in ks]
+        ks[:] = [min(self.max_k, max(0, k + step)) if k else 0 for k in ks]
 
     def _probe(self, ks: list[int], sources: list[Source], other: int, lag: Sequence[float]) -> None:
         """While the plan is "no drafts": one request drafts one token, which measures acceptance and T(B + 1)
