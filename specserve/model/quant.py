@@ -306,10 +306,10 @@ class CpuQuantWeight(_Quantized):
         reads the LM head's own bytes (``TiedEmbedding``)."""
         n, k = self.shape
         g, t = k // GROUP, len(ids)
+        tile, col, ar = ids // TILE, ids % TILE, torch.arange(t)
         if self.code_bits in (5, 6):
             codes = _unpack_narrow(self.packed, ids, k, self.tiled, self.code_bits)
         elif self.tiled:
-            tile, col, ar = ids // TILE, ids % TILE, torch.arange(t)
             if self.bits == 8:  # [t, g, 8 chunks, 4 codes] of each row's column
                 c = self.packed.view(n // TILE, g, 8, TILE, 4)[tile, :, :, col, :].reshape(t, k)
                 codes = (c.to(torch.int16) - 128).to(torch.int8)
@@ -320,8 +320,6 @@ class CpuQuantWeight(_Quantized):
             c = self.packed.index_select(0, ids)
             codes = c if self.bits == 8 else torch.stack([c.view(t, g, GROUP // 2) & 0xF, c.view(t, g, GROUP // 2) >> 4],
                                                          dim=2).reshape(t, k)
-
-        tile, col, ar = ids // TILE, ids % TILE, torch.arange(t)
 
         def values(v: torch.Tensor, halves: int) -> torch.Tensor:  # [t, g * halves] fp32
             if not self.tiled:
@@ -392,12 +390,11 @@ def _pack_narrow(codes: torch.Tensor, tiled: bool, bits: int) -> torch.Tensor:
         return torch.cat([nib.reshape(n // TILE, g, 256), *high], dim=-1).contiguous()
     v = u.view(n, g, GROUP)
     nib = (v[..., :16] & 0xF) | ((v[..., 16:] & 0xF) << 4)  # [n, g, 16]
-    if bits == 6:
-        hv = (v >> 4).view(n, g, 4, 8)
+    hv = (v >> 4).view(n, g, 4, 8)  # the high bits of codes 8 a + b at [a, b]
+    if bits == 6:  # byte b: codes b, b + 8, b + 16, b + 24
         hi = hv[:, :, 0] | (hv[:, :, 1] << 2) | (hv[:, :, 2] << 4) | (hv[:, :, 3] << 6)  # [n, g, 8]
-    else:
-        hv = (v >> 4).view(n, g, 4, 8)  # [.., byte, bit]
-        hi = sum((hv[..., t] << t for t in range(8)), torch.zeros_like(hv[..., 0]))  # [n, g, 4]
+    else:  # byte a: codes 8 a .. 8 a + 7
+        hi = sum((hv[..., b] << b for b in range(8)), torch.zeros_like(hv[..., 0]))  # [n, g, 4]
     return torch.cat([nib.reshape(n, g * 16), hi.reshape(n, -1)], dim=1).contiguous()
 
 

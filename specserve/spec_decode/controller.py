@@ -284,6 +284,7 @@ class SpecController:
             return [self.max_k] * len(req_ids)
         srcs = sources if sources is not None else [Source.METHOD] * len(req_ids)
         self._step += 1
+        lag = list(backlog) if backlog else [0.0] * len(req_ids)
         if self.target_cost.distinct() < 2 or (self.draft_cost.distinct() == 0 and self.max_k
                                                and any(s not in FREE_SOURCES for s in srcs)):
             # The cost slope (or the draft's cost) is unknown (no start-up calibration, worker/calibrate.py):
@@ -291,10 +292,8 @@ class SpecController:
             # measures T(B + k), the draft's step and every position's acceptance, at one request's price.
             ks = [0] * len(req_ids)
             if not self.last_k:
-                lag = list(backlog) if backlog else [0.0] * len(req_ids)
                 ks[lag.index(min(lag))] = self.max_k
         else:
-            lag = list(backlog) if backlog else [0.0] * len(req_ids)
             ks = self._best(req_ids, srcs, other_tokens, lag) if remaining is None or len(req_ids) == 1 \
                 else self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
             unseen = [i for i, s in enumerate(srcs) if s not in self._global]

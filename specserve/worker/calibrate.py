@@ -13,14 +13,11 @@ KV pool hands them out later and every request writes its KV before reading it.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.spec_decode.controller import SpecController
-
-log = logging.getLogger("specserve")
 
 # (tokens per request, start position per request, block ids per request) -> anything; one model call.
 Step = Callable[[list[list[int]], list[int], list[tuple[int, ...]]], object]

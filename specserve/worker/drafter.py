@@ -162,10 +162,10 @@ class Drafter:
             steps = eagle_steps(self.target, self.model, self.kv_caches[0], block_size, device)
             timed = EagleSteps(*(self.timer.timed(self.mirror.wrap(key, fn)) for key, fn in (
                 ("eagle", steps.logits), ("eagle_vocab", steps.vocab_logits), ("eagle_top", steps.top))))
-            self._eagle = EagleProposer(timed, arch.hidden_size * self.model.cfg.num_feature_layers, arch.vocab_size,
-                                        spec_config.eagle_topk, spec_config.num_draft_tokens or 0, self.controller,
+            width = arch.hidden_size * self.model.cfg.num_feature_layers  # the features the head reads
+            self._eagle = EagleProposer(timed, width, arch.vocab_size, spec_config.eagle_topk,
+                                        spec_config.num_draft_tokens or 0, self.controller,
                                         grammar=spec_config.grammar_drafts)
-            width = arch.hidden_size * self.model.cfg.num_feature_layers
             self.calibration_step = lambda toks, starts, blocks: steps.logits(
                 toks, torch.zeros(sum(map(len, toks)), width, device=device), starts, blocks)
             return self._eagle
