@@ -275,6 +275,12 @@ class SpeculativeConfig:
     quantization: str | None = field(default=None, metadata=flag(
         "the draft model's weights: auto, none, int8 or int4 (default: int4 where the target runs quantized, "
         "else as the target)", kw="speculative_quantization", choices=QUANTIZATIONS))
+    # A draft model's (or layer skip's) LM head read at a reduced vocabulary (worker/draft_vocab.py). None: auto
+    # (32768 tokens + each request's prompt tokens where the vocabulary is above 65536), 0: the whole head.
+    draft_vocab_size: int | None = field(default=None, metadata=flag(
+        "draft model / layer_skip: the tokens the draft's LM head is read at (the most frequent ones, plus each "
+        "request's prompt tokens); 0 = every token (default: 32768 where the vocabulary is above 65536)",
+        kw="speculative_draft_vocab_size"))
     # Tensor parallel: the draft model on rank 0 alone (1) or split like the target (its size; None = that).
     draft_tensor_parallel_size: int | None = field(default=None, metadata=flag(
         "the draft model's tensor-parallel size: 1 (on rank 0 alone) or the target's (default)",
@@ -303,6 +309,8 @@ class SpeculativeConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                              f"{self.quantization!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
+            raise ValueError("draft_vocab_size must be >= 0")
         if self.suffix_cache_tokens < 0:
             raise ValueError("suffix_cache_tokens must be >= 0")
         if self.draft_tensor_parallel_size is not None and self.draft_tensor_parallel_size < 1:

@@ -843,3 +843,52 @@ def test_chi2_sampled_with_the_demo_models_trained_head():
                            "file cached by benchmarks/fetch_models.sh")
 def test_chi2_sampled_with_the_qwen_pairs_trained_head():
     chi2_with_shipped_head(QWEN_PAIR_TARGET, QWEN_HEAD, "Write a Python function that reverses a string.", 1500)
+
+
+# -- a reduced draft vocabulary (worker/draft_vocab.py): the draft proposes among fewer tokens, never changes output --
+@pytest.mark.parametrize("method", ["draft", "layer_skip"])
+def test_greedy_equal_with_a_reduced_draft_vocabulary(tiny, method):
+    """The draft's LM head read at 32 of 256 tokens (+ each prompt's): every proposal is one of those, the
+    output is plain decoding's, and the drafts still get accepted (where the draft's own argmax is kept)."""
+    from specserve.spec_decode.state import Source
+
+    ref = run(tiny, "llama", 4)
+    llm = LLM(tiny["llama"].target, **engine_args(4, method, 3, tiny["llama"]), speculative_draft_vocab_size=32)
+    vocab = llm.engine.runner.drafter.vocab
+    assert vocab is not None and vocab.size % 16 == 0 and 32 <= vocab.size < 256
+    drafted: list[int] = []
+
+    def sink(drafts: list[tuple[Source | None, Any]]) -> None:
+        drafted.extend(t for _, d in drafts for t in d.token_ids)
+
+    with llm.observe_drafts(sink):
+        outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
+    assert_same(f"{method} draft vocab 32", PROMPTS, ref.token_ids, [o.outputs[0].token_ids for o in outs],
+                ref.llm.engine.runner.model)
+    # a request's own rows: the tokens it had at its first proposal (its prompt and first two output tokens: a
+    # draft model's first proposal waits a step past the first token)
+    allowed = set(vocab.ids.tolist()) | {t for p in PROMPTS for t in p} | {
+        t for o in outs for t in o.outputs[0].token_ids[:2]}
+    assert drafted and set(drafted) <= allowed, sorted(set(drafted) - allowed)
+    outside_shared = [t for t in drafted if not vocab.member[t]]
+    assert outside_shared, "no draft used a prompt's own rows"
+    spec = llm.get_metrics()["speculative"]
+    assert 0 < spec["accepted_tokens"] < spec["draft_tokens"]
+
+
+def test_chi2_sampled_with_a_reduced_draft_vocabulary(tiny):
+    """Sampling stays exact when the draft's q is zero outside its reduced vocabulary: 4000 seeded requests,
+    temperature 1, top-k 8, the 1-layer draft at k = 2 over 32 of 256 tokens (prompt tokens added); tokens
+    0-3 must follow the target's distribution."""
+    from tests.test_rejection import chi2_pvalue, position
+
+    paths, prompt, top_k, n = tiny["llama"], PROMPTS[3], 8, 4000
+    llm = LLM(paths.target, **engine_args(256, "draft", 2, paths), speculative_draft_vocab_size=32)
+    params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    outs = [o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=[prompt] * n)]
+    p = top_k_target_probs(llm.engine.runner.model, prompt, top_k, positions=4)
+    pv = [chi2_pvalue(position(outs, j), p[j]) for j in range(4)]
+    spec = llm.get_metrics()["speculative"]
+    print(f"reduced draft vocabulary chi2 p-values, tokens 0-3: {' '.join(f'{v:.3g}' for v in pv)}; {spec}")
+    assert min(pv) > 0.01
+    assert spec["draft_tokens"] >= n // 2 and 0 < spec["accepted_tokens"] < spec["draft_tokens"]

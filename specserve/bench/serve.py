@@ -227,8 +227,12 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 # -- launching specserve serve ----------------------------------------------------------------------------------
 SPEC_VALUE_FLAGS = ("--speculative-model", "--num-speculative-tokens", "--speculative-method",
                     "--speculative-config", "--draft-layers", "--prompt-lookup-min", "--prompt-lookup-max",
-                    "--speculative-calibration-seconds")
-SPEC_BOOL_FLAGS = ("--speculative-adaptive", "--no-speculative-adaptive")
+                    "--speculative-calibration-seconds", "--speculative-quantization",
+                    "--speculative-draft-vocab-size", "--prompt-lookup-source", "--speculative-model-revision",
+                    "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--suffix-cache-tokens",
+                    "--speculative-draft-tensor-parallel-size")
+SPEC_BOOL_FLAGS = ("--speculative-adaptive", "--no-speculative-adaptive", "--prompt-lookup-first",
+                   "--no-grammar-drafts")
 
 
 def strip_flags(args: list[str], value_flags: tuple[str, ...], bool_flags: tuple[str, ...] = ()) -> list[str]:

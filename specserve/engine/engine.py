@@ -80,8 +80,9 @@ class Engine:
         # ``close()``, garbage collection of the engine and interpreter exit all release through this, once.
         self._finalizer = weakref.finalize(self, _release, self.tp_group)
         try:
-            self.runner = ModelRunner(config, self.platform, target, *(
-                (self.tp_group.comm, self.tp_group.msg_group) if self.tp_group is not None else ()))
+            tp = self.tp_group
+            self.runner = ModelRunner(config, self.platform, target, tp.comm if tp is not None else None,
+                                      tp.msg_group if tp is not None else None, self.tokenizer.hf_tokenizer)
         except BaseException as e:
             if self.tp_group is None:
                 raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -20,18 +21,34 @@ from specserve.sample.sampler import argmax_rows, process_logits, row_argmax
 from specserve.spec_decode.proposer import Draft, ProposeRequest
 from specserve.spec_decode.state import Source
 
-# (tokens to feed per request, start position per request, block ids per request) -> [B, vocab] logits at
-# each request's last fed token. Built by the worker, so spec/ never imports worker/.
-DraftStep = Callable[[list[list[int]], list[int], list[tuple[int, ...]]], torch.Tensor]
+# (tokens to feed per request, start position per request, block ids per request, each request's extra
+# vocabulary rows or None) -> [B, vocab] logits at each request's last fed token. Built by the worker, so spec/
+# never imports worker/.
+DraftStep = Callable[[list[list[int]], list[int], list[tuple[int, ...]], list[Any] | None], torch.Tensor]
 
 
 class DraftModelProposer:
     writes_kv = True
 
-    def __init__(self, step: DraftStep, shares_target_kv: bool, vocab_size: int, grammar: bool = True) -> None:
+    def __init__(self, step: DraftStep, shares_target_kv: bool, vocab_size: int, grammar: bool = True,
+                 vocab_extra: Callable[[list[int]], Any] | None = None) -> None:
         self.step = step
         self.shares_target_kv = shares_target_kv
         self.sampler = DraftSampler(vocab_size, grammar)
+        # A reduced draft vocabulary (worker/draft_vocab.py): a request's prompt tokens -> its own extra rows,
+        # made once per request and handed to every step it drafts in.
+        self.vocab_extra = vocab_extra
+
+    def _extras(self, reqs: list[ProposeRequest]) -> list[Any] | None:
+        if self.vocab_extra is None:
+            return None
+        out = []
+        for r in reqs:
+            d = r.spec.draft
+            if d.vocab_extra is None:
+                d.vocab_extra = (self.vocab_extra(r.token_ids),)
+            out.append(d.vocab_extra[0])
+        return out
 
     def source(self, req: ProposeRequest, max_k: int) -> Source:
         return Source.METHOD
@@ -66,10 +83,13 @@ class DraftModelProposer:
     def propose(self, reqs: list[ProposeRequest], other_rows: int = 0) -> list[Draft]:
         starts = [self._valid_prefix(r) for r in reqs]
         blocks = [r.block_ids for r in reqs]
-        logits = self.step([r.token_ids[s:] for r, s in zip(reqs, starts, strict=True)], starts, blocks)  # [B, V]
+        extras = self._extras(reqs)
+        logits = self.step([r.token_ids[s:] for r, s in zip(reqs, starts, strict=True)], starts, blocks,
+                           extras)  # [B, V]
 
         def advance(rows: list[int], active: list[int], last: list[int], pos: list[int]) -> torch.Tensor:
-            return self.step([[t] for t in last], pos, [blocks[i] for i in active])
+            return self.step([[t] for t in last], pos, [blocks[i] for i in active],
+                             None if extras is None else [extras[i] for i in active])
 
         drafts = draft_chain(reqs, logits, self.sampler, advance)
         for r, d in zip(reqs, drafts, strict=True):

@@ -10,6 +10,7 @@ from specserve.model.decoder import DecoderModel
 from specserve.model.eagle_head import EagleHead
 from specserve.spec_decode.draft_model import DraftStep
 from specserve.spec_decode.eagle import EagleSteps
+from specserve.worker.draft_vocab import Extra, ReducedVocab
 from specserve.worker.graphs import GraphPlan, ModelStep
 from specserve.worker.input_batch import RowTree, flat_batch
 
@@ -17,13 +18,17 @@ Feats = list[torch.Tensor] | torch.Tensor  # per request [n_i, feature size], or
 
 
 def logits_step(model: DecoderModel, kv: list[torch.Tensor], block_size: int, device: torch.device,
-                layers: int | None, plan: GraphPlan | None) -> DraftStep:
+                layers: int | None, plan: GraphPlan | None, vocab: ReducedVocab | None = None) -> DraftStep:
     """A draft model's forward (or the target's first ``layers``: layer skip): [B, vocab] logits at each
-    request's last fed token."""
+    request's last fed token; with ``vocab``, its head rows only (and each request's ``Extra``)."""
     forward = ModelStep(model, kv, block_size, device, layers, plan)
 
-    def step(token_ids: list[list[int]], starts: list[int], block_ids: list[tuple[int, ...]]) -> torch.Tensor:
-        return model.compute_logits(forward(token_ids, starts, block_ids).last_hidden())  # [B, V]
+    def step(token_ids: list[list[int]], starts: list[int], block_ids: list[tuple[int, ...]],
+             extras: list[Extra | None] | None = None) -> torch.Tensor:
+        hidden = forward(token_ids, starts, block_ids).last_hidden()
+        if vocab is not None:
+            return vocab.logits(hidden, extras)
+        return model.compute_logits(hidden)  # [B, V]
     return step
 
 

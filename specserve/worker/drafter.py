@@ -38,6 +38,7 @@ from specserve.spec_decode.state import FREE_SOURCES, Source, SpecState, SpecSta
 from specserve.spec_decode.suffix import SUFFIX_KEY_N, SuffixProposer
 from specserve.worker.calibrate import Calibration
 from specserve.worker.draft_steps import eagle_steps, logits_step
+from specserve.worker.draft_vocab import ReducedVocab, auto_size, reduced_vocab
 from specserve.worker.graphs import GraphPlan
 from specserve.worker.mirror import Mirror
 
@@ -58,8 +59,10 @@ class Drafter:
     budget needs their size), ``start`` gets the KV tensors and the graph plan and builds the proposer."""
 
     def __init__(self, config: EngineConfig, platform: Platform, dtype: torch.dtype, target: DecoderModel,
-                 max_positions: int, build: ModelBuilder, mirror: Mirror | None = None) -> None:
+                 max_positions: int, build: ModelBuilder, mirror: Mirror | None = None, tokenizer: Any = None
+                 ) -> None:
         self.config = config
+        self.tokenizer = tokenizer  # the HF tokenizer: it picks a reduced draft vocabulary (worker/draft_vocab.py)
         # Tensor parallel (worker/tensor_parallel.py): model calls on sharded models are mirrored to the
         # other ranks; a draft model at draft_tensor_parallel_size 1 runs on rank 0 alone.
         self.mirror = mirror or Mirror(None)
@@ -88,8 +91,9 @@ class Drafter:
         self._suffix: SuffixProposer | None = None  # suffix decoding's index of finished requests
         self._router: LookupFirstProposer | None = None  # --prompt-lookup-first
         self._eagle: EagleProposer | None = None  # sizes its trees with the controller
+        self.vocab: ReducedVocab | None = None  # a draft model's / layer skip's reduced LM head, if any
         # One draft model step (tokens, starts, block ids), for the start-up calibration; None: no model steps.
-        self.calibration_step: Callable[[list[list[int]], list[int], list[tuple[int, ...]]], Any] | None = None
+        self.calibration_step: Callable[..., Any] | None = None
         self.calibration: Calibration | None = None  # its samples: they seed every controller
 
     # -- start-up -------------------------------------------------------------------------------------------
@@ -151,12 +155,14 @@ class Drafter:
         spec_config, arch, device = self.spec_config, self.target.arch, self.platform.device
         if spec_config.method == "draft":
             assert isinstance(self.model, DecoderModel)
-            step = logits_step(self.model, self.kv_caches, block_size, device, None, self._plan)
+            vocab = self.vocab = self._reduced_vocab(self.model)
+            step = logits_step(self.model, self.kv_caches, block_size, device, None, self._plan, vocab)
             if self.model.tp is not None:
                 step = self.mirror.wrap("draft", step)
             self.calibration_step = step
             return DraftModelProposer(self.timer.timed(step), shares_target_kv=False, vocab_size=arch.vocab_size,
-                                      grammar=spec_config.grammar_drafts)
+                                      grammar=spec_config.grammar_drafts,
+                                      vocab_extra=vocab.extra if vocab is not None else None)
         if spec_config.method == "eagle":
             assert isinstance(self.model, EagleHead)
             steps = eagle_steps(self.target, self.model, self.kv_caches[0], block_size, device)
@@ -173,12 +179,22 @@ class Drafter:
             layers = spec_config.draft_layers or max(1, arch.num_layers // 4)
             if layers >= arch.num_layers:
                 raise SpecserveError(f"--draft-layers {layers} must be below the target's {arch.num_layers} layers")
+            vocab = self.vocab = self._reduced_vocab(self.target)
             step = self.mirror.wrap("layer_skip", logits_step(self.target, target_kv[:layers], block_size, device,
-                                                              layers, self._plan))
+                                                              layers, self._plan, vocab))
             self.calibration_step = step
             return DraftModelProposer(self.timer.timed(step), shares_target_kv=True, vocab_size=arch.vocab_size,
-                                      grammar=spec_config.grammar_drafts)
+                                      grammar=spec_config.grammar_drafts,
+                                      vocab_extra=vocab.extra if vocab is not None else None)
         raise SpecserveError(f"speculative method {spec_config.method!r} is not available in this build")
+
+    def _reduced_vocab(self, model: DecoderModel) -> ReducedVocab | None:
+        """The drafting model's LM head at a reduced vocabulary (--speculative-draft-vocab-size), or None: the
+        whole head (size 0, a split model, or no tokenizer to count with)."""
+        size = auto_size(self.spec_config.draft_vocab_size, model.arch.vocab_size)
+        if size == 0 or model.tp is not None:
+            return None
+        return reduced_vocab(model.lm_head, model.arch.vocab_size, size, self.tokenizer)
 
     # -- per request ----------------------------------------------------------------------------------------
     def keep_features(self, req_id: str, pos: int, h: torch.Tensor, owned: bool = False) -> None:

@@ -118,7 +118,7 @@ class ModelRunner:
     ``self.mirror.follow()``."""
 
     def __init__(self, config: EngineConfig, platform: Platform, target: Checkpoint, comm: Comm | None = None,
-                 msg_group: Any = None) -> None:
+                 msg_group: Any = None, tokenizer: Any = None) -> None:
         self.config = config
         self.comm = comm
         self.mirror = Mirror(comm, msg_group, platform.device)
@@ -141,7 +141,7 @@ class ModelRunner:
         # Speculation (draft weights, proposer, controller): None when --speculative-* is off, and on a
         # follower rank that mirrors no draft call (ngram; a draft model on rank 0 alone).
         self.drafter = Drafter(config, platform, self.dtype, self.model, self.max_model_len + 64, self._build,
-                               self.mirror) if config.speculative.enabled and self._drafts_here() else None
+                               self.mirror, tokenizer) if config.speculative.enabled and self._drafts_here() else None
         # Receives the target's pre-norm features of every row (a drafter that reads them; `specserve distill`
         # sets its own through observe_features).
         self.feature_sink: FeatureSink | None = \
