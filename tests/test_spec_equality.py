@@ -462,12 +462,45 @@ def test_half_kv_cache_greedy_bit_exact(tiny, kv_dtype):
     assert same >= len(PROMPTS) // 2, f"{same} of {len(PROMPTS)} outputs equal the fp32 cache's"
 
 
-def test_layer_skip_equals_truncated_draft(tiny):
+def test_layer_skip_equals_truncated_draft(tiny, monkeypatch):
     """A layer-skip draft of 1 layer and a separate draft model holding the target's first layer propose the
-    same tokens, so every counter matches (checks the draft's own KV bookkeeping against shared KV)."""
-    ls, dr = run(tiny, "llama", 8, "layer_skip", 3), run(tiny, "llama", 8, "draft", 3)
-    assert ls.token_ids == dr.token_ids
-    assert ls.metrics["speculative"] == dr.metrics["speculative"]
+    same tokens, so every counter matches (checks the draft's own KV bookkeeping against shared KV). The draft
+    model reads each prompt in one go here, as layer skip (whose KV is the target's) never has to."""
+    import specserve.spec_decode.draft_model as draft_model
+
+    monkeypatch.setattr(draft_model, "CATCH_UP_CHUNK", 10**9)
+    out = {}
+    for method in ("layer_skip", "draft"):
+        llm = LLM(tiny["llama"].target, **engine_args(8, method, 3, tiny["llama"]))
+        outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=PROMPTS)
+        out[method] = ([o.outputs[0].token_ids for o in outs], llm.get_metrics()["speculative"])
+    assert out["layer_skip"] == out["draft"]
+
+
+def test_a_draft_model_reads_prompts_a_chunk_per_step_in_a_batch(tiny):
+    """In a batch, a draft model catching up on a prompt reads at most CATCH_UP_CHUNK tokens of it per step and
+    drafts for that request once it has read all of it; alone, it reads the prompt in one step. Output unchanged."""
+    from specserve.spec_decode.draft_model import CATCH_UP_CHUNK
+
+    paths = tiny["llama"]
+    prompts = [p * (1 + 100 // len(p)) for p in PROMPTS[:4]]  # > 100 tokens each
+    ref = LLM(paths.target, **engine_args(4, None, 0, paths))
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in ref.generate(None, sp, prompt_token_ids=prompts)]
+    for bs in (4, 1):
+        llm = LLM(paths.target, **engine_args(bs, "draft", 3, paths))
+        proposer = llm.engine.runner.drafter.proposer
+        fed: list[list[int]] = []
+        step = proposer.step
+        proposer.step = lambda toks, *a, fed=fed, step=step: fed.append([len(t) for t in toks]) or step(toks, *a)
+        got = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts)]
+        assert got == want
+        longest = max(n for call in fed for n in call)
+        if bs == 4:
+            assert longest == CATCH_UP_CHUNK
+        else:
+            assert longest > 100
+        assert llm.get_metrics()["speculative"]["draft_tokens"] > 0
 
 
 def test_random_draft_mostly_rejected_still_exact(tiny):

@@ -107,6 +107,8 @@ class DraftState:
     # Draft model (spec_decode/draft_model.py): (L, drafts fed at positions L, L+1, ...), what the draft cache
     # holds past the history.
     fed: tuple[int, list[int]] | None = None
+    # ... while it reads the prompt a chunk per step (in a batch): priced as a first read, not a recurring backlog.
+    reading: bool = False
     # Draft model with a reduced vocabulary: (the rows its prompt adds,) once computed (worker/draft_vocab.py).
     vocab_extra: tuple[Any] | None = None
     # DraftSampler: the seeded request's own generator (seed + 0x5EED).
