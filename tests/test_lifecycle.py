@@ -122,3 +122,29 @@ def test_interpreter_exit_releases_tensor_parallel_workers(ckpt):
     pids = [int(p) for line in out.stdout.splitlines() if line.startswith("PIDS") for p in line.split()[1:]]
     assert pids and not [p for p in pids if _alive(p)]
     assert _shm_files() <= shm_before
+
+
+def test_a_server_engine_is_built_off_the_main_thread_and_errors_reach_the_caller(ckpt, tmp_path, monkeypatch):
+    """``build_engine`` (what `specserve serve` and ``create_app`` use) builds a single-process engine in a
+    thread that ends, so the loop thread is the only one whose OpenMP team stays; the engine works, and a load
+    error is raised in the caller's thread as itself."""
+    from specserve.config import EngineConfig
+    from specserve.engine import engine as engine_module
+    from specserve.engine.async_engine import build_engine
+    from specserve.errors import CheckpointError
+
+    seen: list[str] = []
+    real = engine_module.Engine.__init__
+
+    def init(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003
+        seen.append(threading.current_thread().name)
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", init)
+    engine = build_engine(EngineConfig.from_kwargs(ckpt, dtype="float32", num_blocks=32))
+    assert seen == ["specserve-load"] and threading.current_thread().name != "specserve-load"
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(CheckpointError):
+        build_engine(EngineConfig.from_kwargs(str(tmp_path / "missing")))

@@ -36,6 +36,7 @@ import specserve
 from specserve.config import EngineConfig
 from specserve.engine.async_engine import (
     AsyncEngine,
+    build_engine,
 )
 from specserve.engine.engine import Engine
 from specserve.server import embeddings, responses, webui
@@ -169,7 +170,7 @@ def create_app(engine: EngineConfig | Engine | AsyncEngine, api_key: str | None 
     loop nor shuts it down)."""
     owns = not isinstance(engine, AsyncEngine)
     if isinstance(engine, EngineConfig):
-        engine = Engine(engine)
+        engine = build_engine(engine)
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_queue=max_queue)
     state = ServerState(aengine, served_model_name or default_served_name(aengine.engine), owns)
     if max_request_bytes < 1 or (max_prompt_tokens is not None and max_prompt_tokens < 1):
@@ -363,7 +364,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], args: Any) -> i
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("specserve").setLevel(logging.INFO)
-    engine = Engine(EngineConfig.from_kwargs(model, **engine_kwargs))
+    engine = build_engine(EngineConfig.from_kwargs(model, **engine_kwargs))
     app = create_app(engine, api_key=getattr(args, "api_key", None),
                      served_model_name=getattr(args, "served_model_name", None),
                      max_queue=getattr(args, "max_queue", 256),
