@@ -17,6 +17,7 @@ from specserve.worker.draft_vocab import (
     corpus_counts,
     head_rows,
     select_ids,
+    takes_rows,
 )
 from tests.helpers import byte_tokenizer
 
@@ -92,4 +93,4 @@ def test_a_head_whose_rows_cannot_be_taken_is_left_whole():
     class Opaque(torch.nn.Module):
         pass
 
-    assert head_rows(Opaque(), torch.tensor([0])) is None
+    assert not takes_rows(Opaque()) and head_rows(Opaque(), torch.tensor([0])) is None

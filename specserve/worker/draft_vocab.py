@@ -93,9 +93,14 @@ class Extra:
     head: PackedWeight | torch.Tensor  # [m rounded up to 16, hidden] (the last row repeated)
 
 
+def takes_rows(head: Any) -> bool:
+    """Whether ``head_rows`` can take rows of this LM head (not a GPU kernel's packed weight)."""
+    return isinstance(head, (CpuQuantWeight, DenseWeight, torch.Tensor))
+
+
 def head_rows(head: Any, ids: torch.Tensor) -> PackedWeight | torch.Tensor | None:
     """Rows ``ids`` of an LM head, in the form it runs in (the same codes and scales: the same logits), or None
-    where they cannot be taken (a GPU kernel's packed weight)."""
+    where they cannot be taken (``takes_rows``)."""
     if isinstance(head, CpuQuantWeight):
         rows = CpuQuantWeight(head.take_rows(ids), head.scales.device, tiled=head.tiled)
         rows.act_bits = head.act_bits  # the activations' grid the head runs at (--activation-bits)
@@ -123,7 +128,9 @@ class ReducedVocab:
         self.full_head = head
         self.head = rows
         self.vocab_size = vocab_size
-        self.ids = ids
+        self.device = head.scales.device if isinstance(head, CpuQuantWeight) else \
+            (head.weight if isinstance(head, DenseWeight) else head).device
+        self.ids = ids.to(self.device)  # indexes the step's logits, on the model's device
         self.member = torch.zeros(vocab_size, dtype=torch.bool)
         self.member[ids] = True
 
@@ -141,22 +148,22 @@ class ReducedVocab:
         # padded to the kernels' tile (the last id repeated) so the rows run in the head's own layout
         rows = head_rows(self.full_head, torch.cat([ids, ids[-1:].expand(-ids.numel() % 16)]))
         assert rows is not None
-        return Extra(ids, rows)
+        return Extra(ids.to(self.device), rows)
 
     def logits(self, hidden: torch.Tensor, extras: list[Extra | None] | None = None) -> torch.Tensor:
         """[B, hidden] -> [B, vocab] float logits: the head's at the shared rows and each row's ``Extra``."""
         out = torch.full((hidden.shape[0], self.vocab_size), FLOOR, device=hidden.device)
-        out[:, self.ids.to(hidden.device)] = _matmul(hidden, self.head)
+        out[:, self.ids] = _matmul(hidden, self.head)
         for i, e in enumerate(extras or ()):
             if e is not None:
-                out[i, e.ids.to(hidden.device)] = _matmul(hidden[i:i + 1], e.head)[0, :e.ids.numel()]
+                out[i, e.ids] = _matmul(hidden[i:i + 1], e.head)[0, :e.ids.numel()]
         return out
 
 
 def reduced_vocab(head: Any, vocab_size: int, size: int, tokenizer: Any) -> ReducedVocab | None:
     """The reduced head of ``size`` rows for a draft whose LM head is ``head``, or None (size 0, no tokenizer,
     or a head whose rows cannot be taken). Logs what it chose and what it took."""
-    if size <= 0 or tokenizer is None or head_rows(head, torch.tensor([0])) is None:
+    if size <= 0 or tokenizer is None or not takes_rows(head):
         return None
     t0 = time.perf_counter()
     counts = corpus_counts(tokenizer, vocab_size)
