@@ -56,6 +56,10 @@ class SchedulerOutput:
     # No request waits and none will arrive (an offline batch draining): what counts is when the last running
     # request finishes, not tokens per step (the speculation controller then plans for the batch's end).
     draining: bool = False
+    # The next step will (most likely) carry a prompt's prefill: a prompt chunked over steps continues, or a
+    # waiting request fits the batch and the free KV blocks. A draft model's steps would then sit in series
+    # before that request's first token (``ModelRunner._propose``: no draft-model drafts for that step).
+    prefill_ahead: bool = False
 
     @property
     def empty(self) -> bool:

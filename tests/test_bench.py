@@ -177,10 +177,14 @@ TTFT, ITL = 0.2, 0.05
 
 
 def fake_openai_app():
+    """Streams ``max_tokens`` tokens after TTFT, ITL apart; its ``/metrics`` (vLLM's names) count one drafting
+    pass per finished request, 3 drafts of which positions 0 and 1 are accepted."""
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
+
+    finished = [0]
 
     async def stream(request: Request):
         body = await request.json()
@@ -197,6 +201,7 @@ def fake_openai_app():
                 choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n"
             usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
+            finished[0] += 1
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -205,9 +210,43 @@ def fake_openai_app():
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
+    async def metrics(request: Request):
+        n = finished[0]
+        return PlainTextResponse(vllm_metrics(n, 3 * n, [n, n, 0]))
+
     return Starlette(routes=[Route("/v1/chat/completions", stream, methods=["POST"]),
                              Route("/v1/completions", stream, methods=["POST"]),
-                             Route("/v1/models", models)])
+                             Route("/v1/models", models), Route("/metrics", metrics)])
+
+
+def vllm_metrics(drafts: int, draft_tokens: int, per_pos: list[int]) -> str:
+    """A Prometheus exposition with vLLM's speculative-decoding counters (and one unrelated counter)."""
+    lines = ["# HELP vllm:num_preemptions Preemptions.", "# TYPE vllm:num_preemptions counter",
+             'vllm:num_preemptions_total{model_name="m"} 7.0']
+    for name, value in (("spec_decode_num_drafts", drafts), ("spec_decode_num_draft_tokens", draft_tokens),
+                        ("spec_decode_num_accepted_tokens", sum(per_pos))):
+        lines += [f"# HELP vllm:{name} x.", f"# TYPE vllm:{name} counter", f'vllm:{name}_total{{model_name="m"}} {value}.0']
+    lines += ["# HELP vllm:spec_decode_num_accepted_tokens_per_pos x.",
+              "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter"]
+    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {v}.0'
+              for i, v in enumerate(per_pos)]
+    return "\n".join(lines) + "\n"
+
+
+def test_spec_counters_are_read_from_vllm_and_specserve_metrics():
+    before = serve.parse_spec_counters(vllm_metrics(10, 30, [9, 6, 3]))
+    after = serve.parse_spec_counters(vllm_metrics(20, 70, [18, 13, 8, 2]))
+    assert before == {"num_drafts": 10, "draft_tokens": 30, "accepted_tokens": 18, "accepted_per_position": [9, 6, 3]}
+    s = serve.spec_summary(before, after)
+    assert s["num_drafts"] == 10 and s["draft_tokens"] == 40 and s["accepted_tokens"] == 23
+    assert s["acceptance_rate"] == pytest.approx(23 / 40) and s["mean_acceptance_length"] == pytest.approx(3.3)
+    assert s["acceptance_per_position"] == pytest.approx([0.9, 0.7, 0.5, 0.2])
+    assert serve.parse_spec_counters("# TYPE other counter\nother_total 3\n") is None
+    # specserve's own exposition, as its server writes it
+    from specserve.server.metrics import ServerMetrics
+    stats = {"num_drafts": 4, "draft_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [4, 2, 1]}
+    text = ServerMetrics(lambda: {"speculative": stats}, "m").render()[0].decode()
+    assert serve.parse_spec_counters(text) == {**stats, "accepted_per_position": [4, 2, 1]}
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +277,9 @@ def test_bench_serve_timing(fake_server):
     assert_measures(s["tpot"]["mean"], ITL * 1000, low=0.5)
     assert_measures(s["e2el"]["mean"], (TTFT + 4 * ITL) * 1000)
     assert len(s["samples"]["itl"]) == 6 * 4
+    # the server's counters moved by these 6 requests (the warm-up request's pass is not counted)
+    assert s["speculative"]["num_drafts"] == 6 and s["speculative"]["acceptance_per_position"] == [1.0, 1.0, 0.0]
+    assert s["speculative"]["mean_acceptance_length"] == pytest.approx(3.0)
     # concurrency 3, 6 requests of ~0.4 s: two waves
     assert_measures(s["duration_s"] * 1000, 2 * (TTFT + 4 * ITL) * 1000)
 
@@ -250,14 +292,17 @@ def test_bench_serve_cli_poisson(fake_server, tmp_path, capsys):
                    "--num-prompts", "4", "--request-rate", "20", "--max-tokens", "3", "--out", str(out),
                    "--no-progress"])
     assert rc == 0
-    assert "TTFT median (ms)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "TTFT median (ms)" in printed and "acceptance per position" in printed
     doc = json.loads((out / "results.json").read_text())
     run = doc["runs"]["server"]
     assert run["completed"] == 4 and run["total_output_tokens"] == 12
     assert_measures(run["ttft"]["mean"], TTFT * 1000)
     assert [r["start"] for r in run["requests"]] == sorted(r["start"] for r in run["requests"])
     assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "acceptance_per_position.png").read_bytes()[:4] == b"\x89PNG"
     assert "TTFT" in (out / "report.md").read_text()
+    assert run["speculative"]["num_drafts"] == 4
 
 
 def test_poisson_gaps_and_flag_stripping():
@@ -310,6 +355,10 @@ def test_bench_serve_launch_compare_spec(tiny_model, tmp_path, capsys, one_threa
         assert run["ttft"]["mean"] > 0 and run["e2el"]["p99"] >= run["ttft"]["p99"]
     assert (out / "server_off.log").exists() and (out / "server_on.log").exists()
     assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    # the servers' own counters: off never drafts; on's counters are consistent
+    assert off["speculative"]["num_drafts"] == 0 and off["speculative"]["acceptance_rate"] is None
+    s = on["speculative"]
+    assert s["accepted_tokens"] <= s["draft_tokens"] <= 3 * s["num_drafts"]
 
 
 @pytest.mark.slow

@@ -23,8 +23,8 @@ def test_an_off_probe_goes_to_the_request_with_the_least_backlog():
     from specserve.spec_decode.controller import SpecController
 
     c = SpecController(3, explore_every=1)
-    for n in (1, 2, 3, 4, 5):  # verification rows as dear as the step: the model says off
-        c.record_target(n, 0.010 * n)
+    for n in range(1, 13):  # rows cheap, but the source's drafts failed (below): the model says off
+        c.record_target(n, 0.010 + 0.002 * n)
     c.record_draft(1, 0.005)
     c.record_acceptance("x", 3, 0)  # the source was verified before (its first plan would probe anyway)
     probes = [c.choose_ks(["a", "b", "c"], backlog=[400, 3, 250]) for _ in range(60)]
@@ -33,27 +33,30 @@ def test_an_off_probe_goes_to_the_request_with_the_least_backlog():
 
 def test_off_probes_spend_at_most_their_share_of_the_time():
     """A probe's predicted cost (its extra row, a draft step and the catch-up on its backlog) is paid from a
-    budget of PROBE_SHARE of the off steps' time: a draft model far behind on every request is probed rarely
-    (each probe would read hundreds of tokens), one with nothing to catch up on at every gap."""
+    budget of PROBE_SHARE of the off steps' time: a draft model behind on every request is probed less often
+    than one with nothing to catch up on (limited by the gap alone); one so far behind that no plan could pay
+    even with every draft accepted is never probed."""
     from specserve.spec_decode.controller import PROBE_SHARE, SpecController
 
     def run(backlog: float, steps: int) -> tuple[int, float]:
         c = SpecController(3, explore_every=4)
-        for n in range(8, 17):
-            c.record_target(n, 0.070 + 0.012 * (n - 8))  # a row costs more than a draft gains: the plan is off
-        c.record_draft(1, 0.012)
+        for n in range(2, 12):
+            c.record_target(n, 0.030 + 0.001 * (n - 2))  # rows cheap next to the step
+        c.record_draft(1, 0.003)
         c.record_catch_up(100, 0.15)
         c.record_catch_up(300, 0.45)
-        c.record_acceptance("x", 3, 0)  # the source was verified before
-        probes = sum(any(c.choose_ks([f"r{i}" for i in range(8)], backlog=[backlog] * 8)) for _ in range(steps))
+        c.record_acceptance("x", 3, 0)  # the source was verified, and failed: the plan is off
+        probes = sum(any(c.choose_ks(["a", "b"], backlog=[backlog] * 2)) for _ in range(steps))
         return probes, c._catch_up
 
-    rare, per_token = run(600.0, 2000)
+    rare, per_token = run(20.0, 2000)
     assert per_token == pytest.approx(0.0015)
-    cost = 0.012 + 0.012 + 600 * per_token  # the extra row, the draft step, the catch-up
-    assert 1 <= rare <= 2000 * PROBE_SHARE * 0.070 / cost + 1
+    cost = 0.001 + 0.003 + 20 * per_token  # the extra row, the draft step, the catch-up
+    assert 1 <= rare <= 2000 * PROBE_SHARE * 0.030 / cost + 1
     cheap, _ = run(0.0, 2000)
-    assert cheap > 2 * rare  # limited by the gap alone
+    assert cheap > rare
+    never, _ = run(100.0, 2000)  # 150 ms of catch-up per request against 30 ms steps: nothing could pay
+    assert never == 0
 
 
 def test_a_draft_models_backlog_is_priced_and_its_prompt_spread_over_the_request():
@@ -94,3 +97,26 @@ def test_a_spread_prompt_catch_up_still_pays_alone_where_a_whole_one_never_would
     assert c.choose_ks(["a"], backlog=[0.0]) != [0]
     assert c.choose_ks(["a"], backlog=[300 * 4 / 64]) != [0]  # alone: the spread prompt still pays
     assert c.choose_ks(["a"], backlog=[300.0]) == [0]  # charged whole, one step could never pay for it
+
+
+def test_a_step_carrying_a_prefill_gets_no_draft_model_steps_but_keeps_free_drafts():
+    """``hold`` (a new prompt's prefill shares the next step): draft-model sources get k = 0, with no first
+    measurement or probe spent on them; prompt-lookup drafts are planned as usual; without it, the same
+    requests draft."""
+    from specserve.spec_decode.controller import SpecController
+    from specserve.spec_decode.state import Source
+
+    c = SpecController(4, explore_every=1000)  # no nudges of k between the plans compared
+    for n in range(1, 12):  # rows nearly free next to the step, a draft step cheap: drafting pays
+        c.record_target(n, 0.030 + 0.0005 * n)
+    c.record_draft(1, 0.001)
+    c.record_draft(2, 0.0012)
+    for _ in range(20):
+        c.record_acceptance("a", 4, 4, Source.MODEL)
+        c.record_acceptance("b", 4, 4, Source.LOOKUP)
+    ids, srcs = ["a", "b"], [Source.MODEL, Source.LOOKUP]
+    assert c.choose_ks(ids, sources=srcs) == [4, 4]
+    for _ in range(40):  # every step holds: never a model draft, never a probe
+        assert c.choose_ks(ids, sources=srcs, hold=True) == [0, 4]
+    assert c.choose_ks(["new"], sources=[Source.METHOD], hold=True) == [0]  # an unseen source waits too
+    assert c.choose_ks(ids, sources=srcs) == [4, 4]

@@ -95,6 +95,38 @@ def test_a_draft_model_reads_the_prompt_after_the_first_token(tmp_path, method):
     assert calls and calls[-1] == ["r"]
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_a_prefill_ahead_holds_draft_model_steps(tmp_path, method):
+    """While a server's request waits to be scheduled (``arrivals_pending``), the controller is told to hold
+    draft-model steps (they would delay that request's first token) and the draft model is not called; a
+    proposer that runs no model (n-gram) is never held. ``AsyncEngine`` wires its queued adds to the hint."""
+    from specserve.engine.async_engine import AsyncEngine
+
+    path = save_tiny_checkpoint(tmp_path)
+    kw = dict(speculative_model=path) if method == "draft" else dict(speculative_method="ngram", prompt_lookup_min=1)
+    llm = LLM(path, num_speculative_tokens=3, dtype="float32", num_blocks=64, **kw)
+    engine, drafter = llm.engine, llm.engine.runner.drafter
+    engine.scheduler.closed_batches = False  # a server's open batch (an offline batch draining never holds)
+    holds, calls, pending = [], [], [False]
+    choose, propose = drafter.controller.choose_ks, drafter.proposer.propose
+    drafter.controller.choose_ks = lambda *a, **k: holds.append(k["hold"]) or choose(*a, **k)
+    drafter.proposer.propose = lambda reqs, *rest: calls.append(len(holds)) or propose(reqs, *rest)
+    engine.runner.arrivals_pending = lambda: pending[0]
+    engine.add_request("r", [5, 6, 7, 5, 6, 7, 5, 6] * 3, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    pending[0] = True
+    for _ in range(6):
+        engine.step()
+    held = [i + 1 for i, h in enumerate(holds) if h]
+    assert held == ([] if method == "ngram" else list(range(len(holds) - 5, len(holds) + 1)))
+    assert not set(calls) & set(held)  # no draft-model call on a held step
+    ae = AsyncEngine(engine)
+    assert engine.runner.arrivals_pending() is False
+    ae._adds_pending = 1
+    assert engine.runner.arrivals_pending() is True
+
+
 def _leak_configs(root: pathlib.Path) -> list[dict]:
     import torch
 

@@ -275,3 +275,41 @@ def test_a_closed_batch_drains_once_nothing_waits():
         assert any(w for _, w in seen) and any(not w for _, w in seen)
         assert all(d == (closed and not w) for d, w in seen)
 
+
+
+def test_prefill_ahead_names_a_prefill_the_next_step_will_carry():
+    """``prefill_ahead``: a prompt chunked over steps continues, or a waiting request fits the batch and the
+    free blocks; a queue held back by a full batch or a full cache is no prefill ahead."""
+    sched = make(budget=16)
+    runner = FakeRunner(sched)
+    add(sched, "long", list(range(40)), 3)
+    flags = []
+    while sched.has_unfinished():
+        so = sched.schedule()
+        flags.append(so.prefill_ahead)
+        sched.update(so, runner.execute(so), lambda r, e, lp: (r.all_token_ids.extend(e), r.output_token_ids.extend(e),
+                                                               None if r.num_output_tokens < 3 else
+                                                               RequestStatus.FINISHED_LENGTH)[2])
+    assert flags == [True, True, False, False, False]  # chunks of 16, 16, then 8 that samples; 2 decodes
+
+    sched = make(budget=64, max_seqs=1)  # the batch is full: the waiting request cannot be admitted next step
+    add(sched, "a", list(range(5)), 4)
+    add(sched, "b", list(range(6)), 4)
+    assert not sched.schedule().prefill_ahead and sched.waiting
+    sched = make(budget=64, max_seqs=2)  # b's prompt is cut by the budget: its next chunk is ahead
+    add(sched, "a", list(range(60)), 4)
+    add(sched, "b", list(range(30)), 4)
+    so = sched.schedule()
+    assert so.prefill_ahead and [r.needs_sample for r in so.rows] == [True, False]
+    sched = make(num_blocks=20, budget=64, max_seqs=4)  # a slot, the budget spent, and blocks for c's prompt
+    add(sched, "a", list(range(40)), 4)
+    add(sched, "b", list(range(24)), 4)
+    add(sched, "c", list(range(8)), 4)
+    so = sched.schedule()
+    assert [r.req_id for r in so.rows] == ["a", "b"] and so.prefill_ahead
+    sched = make(num_blocks=20, budget=64, max_seqs=4)  # 4 blocks left, too few for c's prompt: none ahead
+    add(sched, "a", list(range(40)), 4)
+    add(sched, "b", list(range(24)), 4)
+    add(sched, "c", list(range(30)), 4)
+    so = sched.schedule()
+    assert [r.req_id for r in so.rows] == ["a", "b"] and not so.prefill_ahead

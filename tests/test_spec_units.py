@@ -301,8 +301,8 @@ def test_per_request_k_in_one_batch():
 
 def test_exploration_backs_off_while_drafts_keep_losing():
     c = SpecController(max_k=4, explore_every=4)
-    for n in (8, 40):  # verifying 5x the tokens costs 5x: speculation with alpha ~ 0 loses
-        c.record_target(n, 0.01 * n)
+    for n in (8, 40):  # rows cheap (drafting could pay), but alpha ~ 0: speculation loses
+        c.record_target(n, 0.05 + 0.001 * n)
     c.record_draft(8, 0.005)
     c.record_acceptance("r", 4, 0)
     for _ in range(20):
@@ -394,14 +394,20 @@ def test_marginal_predicted_gain_does_not_draft(alpha, min_gain, drafts):
 
 def test_a_never_verified_source_gets_one_full_probe():
     """Priced at the prior alone, a draft model can look too dear to ever try; the first plan of a source never
-    verified drafts max_k for the request with the least to catch up on, then the plan decides."""
+    verified drafts max_k for the request with the least to catch up on, then the plan decides. Where no plan
+    could pay even with every draft accepted, that first measurement waits."""
     c = SpecController(max_k=4, explore_every=10**6)
-    for n in (1, 2, 3, 4, 5):
-        c.record_target(n, 0.010 * n)  # verification as dear as decoding: the plan alone would never draft
-    c.record_draft(1, 0.005)
+    for n in range(1, 11):
+        c.record_target(n, 0.010 + 0.004 * n)  # at the prior's 0.6 the plan alone would never draft
+    c.record_draft(1, 0.006)
     assert c.choose_ks(["a", "b"], backlog=[50.0, 3.0]) == [0, 4]
     c.record_acceptance("b", 4, 4)
     assert c.choose_ks(["a", "b"], backlog=[50.0, 0.0]) == [0, 0]
+    dear = SpecController(max_k=4, explore_every=10**6)
+    for n in range(1, 11):
+        dear.record_target(n, 0.010 * n)  # a row as dear as a decode step: no acceptance could pay
+    dear.record_draft(1, 0.006)
+    assert dear.choose_ks(["a", "b"], backlog=[50.0, 3.0]) == [0, 0]
 
 
 def test_a_requests_stale_rejections_fade():

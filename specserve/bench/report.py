@@ -186,6 +186,15 @@ def serve_rows(runs: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[st
     for m in SERVE_METRICS:
         for stat in ("mean", "median", "p99"):
             rows.append([f"{m.upper()} {stat} (ms)"] + [_fmt(runs[n][m][stat], ".1f") for n in names])
+    if any(runs[n].get("speculative") for n in names):  # the server's counters (``bench serve``)
+        spec = [runs[n].get("speculative") or {} for n in names]
+        rows += [["drafting passes"] + [str(s.get("num_drafts", "-")) for s in spec],
+                 ["draft / accepted tokens"] + [f"{s['draft_tokens']} / {s['accepted_tokens']}" if s else "-"
+                                                 for s in spec],
+                 ["acceptance rate"] + [_fmt(s.get("acceptance_rate"), ".3f") for s in spec],
+                 ["mean acceptance length"] + [_fmt(s.get("mean_acceptance_length"), ".2f") for s in spec],
+                 ["acceptance per position"] + [" ".join(_fmt(x, ".2f") for x in s.get("acceptance_per_position")
+                                                         or []) or "-" for s in spec]]
     if len(names) == 2:
         a, b = (runs[n]["output_throughput"] for n in names)
         rows.append(["output throughput ratio"] + ["", _fmt(b / a if a else None, ".3f")])
@@ -310,15 +319,16 @@ def plot_throughput(batches: list[dict[str, Any]], path: str, title: str = "") -
     return path
 
 
-def plot_acceptance(batches: list[dict[str, Any]], path: str) -> str:
-    """Fraction of drafting passes that accepted draft position i, per batch size."""
+def plot_acceptance(batches: list[dict[str, Any]], path: str, label: str = "batch {}") -> str:
+    """Fraction of drafting passes that accepted draft position i, per batch size (``label`` formats each
+    entry's ``batch_size``: a run's name for ``bench serve``)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     n = max(1, len(batches))
     for j, b in enumerate(batches):
         per = b.get("acceptance_per_position") or []
         xs = [i + 1 + (j - (n - 1) / 2) * 0.8 / n for i in range(len(per))]
-        ax.bar(xs, per, width=0.8 / n, label=f"batch {b['batch_size']}")
+        ax.bar(xs, per, width=0.8 / n, label=label.format(b["batch_size"]))
     ax.set_xlabel("draft position")
     ax.set_ylabel("fraction of drafting passes accepting it")
     ax.set_ylim(0, 1)

@@ -4,7 +4,10 @@ Requests arrive as a Poisson process (exponential gaps, fixed seed; ``--request-
 once), at most ``--concurrency`` in flight, each streamed over SSE. Reported: request and output-token
 throughput, TTFT, TPOT and ITL (mean, median, p99) and end-to-end latency. Only the public OpenAI HTTP API is
 used (``/v1/chat/completions`` for chat items, ``/v1/completions`` for raw prompts, ``/v1/models``), so any
-compatible server can be measured.
+compatible server can be measured. Where the server exports Prometheus ``/metrics`` with speculative-decoding
+counters (specserve's ``specserve:spec_decode_*`` or vLLM's ``vllm:spec_decode_*`` names), the counters are read
+before and after the measured requests, and their difference gives the run's drafts, acceptance rate, mean
+acceptance length and acceptance per draft position.
 
 ``--launch 'SERVE ARGS' --compare-spec`` starts ``specserve serve SERVE ARGS`` itself on a free loopback
 port twice -- first with the speculative flags removed, then as given -- waits for ``/health``, runs the same
@@ -138,6 +141,60 @@ async def resolve_model(client, base_url: str, headers: dict[str, str]) -> str:
     return "default"
 
 
+SPEC_COUNTERS = {"spec_decode_num_drafts": "num_drafts", "spec_decode_num_draft_tokens": "draft_tokens",
+                 "spec_decode_num_accepted_tokens": "accepted_tokens"}
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+
+
+def parse_spec_counters(text: str) -> dict[str, Any] | None:
+    """The speculative-decoding counters of a Prometheus exposition (summed over label sets, the per-position
+    counter by its ``position`` label), or None if it has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Any] = {}
+    per_pos: dict[int, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name.endswith("_created"):
+                continue
+            name = sample.name.split(":", 1)[-1].removesuffix("_total")
+            if name == PER_POSITION and "position" in sample.labels:
+                pos = int(sample.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
+            elif name in SPEC_COUNTERS:
+                out[SPEC_COUNTERS[name]] = out.get(SPEC_COUNTERS[name], 0.0) + sample.value
+    if not out:
+        return None
+    out["accepted_per_position"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)] if per_pos else []
+    return out
+
+
+async def read_spec_counters(client, base_url: str, headers: dict[str, str]) -> dict[str, Any] | None:
+    """``/metrics``' speculative-decoding counters (None: no such endpoint or counters)."""
+    try:
+        r = await client.get(f"{base_url}/metrics", headers=headers)
+        return parse_spec_counters(r.text) if r.status_code == 200 else None
+    except Exception:  # a server without Prometheus metrics, or an exposition this parser cannot read
+        return None
+
+
+def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the counters moved by during a run, as ``bench offline`` reports it: drafting passes, draft and
+    accepted tokens, acceptance rate, mean acceptance length (1 + accepted / passes: the bonus token counts)
+    and acceptance per position (the fraction of drafting passes that accepted position i)."""
+    if after is None:
+        return None
+    before = before or {}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS.values()}
+    per0 = before.get("accepted_per_position") or []
+    per = [n - (per0[i] if i < len(per0) else 0.0) for i, n in enumerate(after["accepted_per_position"])]
+    drafts = d["num_drafts"]
+    return {**{k: int(v) for k, v in d.items()},
+            "acceptance_rate": d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else None,
+            "mean_acceptance_length": 1.0 + d["accepted_tokens"] / drafts if drafts else None,
+            "acceptance_per_position": [n / drafts for n in per] if drafts else []}
+
+
 async def run_load(base_url: str, items: list[Item], *, api_key: str | None = None, model: str | None = None,
                    request_rate: float = math.inf, concurrency: int | None = None, max_tokens: int = 128,
                    temperature: float = 0.0, ignore_eos: bool = False, endpoint: str = "auto", seed: int = 0,
@@ -160,6 +217,7 @@ async def run_load(base_url: str, items: list[Item], *, api_key: str | None = No
                                    time.perf_counter())
             if not w.ok:
                 raise SpecserveError(f"warm-up request to {base_url}{path} failed: {w.error}")
+        counters = await read_spec_counters(client, base_url, headers)
         sem = asyncio.Semaphore(concurrency) if concurrency else None
         bar = tqdm(total=len(items), desc="requests", disable=not progress, file=sys.stderr)
 
@@ -181,8 +239,11 @@ async def run_load(base_url: str, items: list[Item], *, api_key: str | None = No
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t_origin
         bar.close()
+        spec = spec_summary(counters, await read_spec_counters(client, base_url, headers)) \
+            if counters is not None else None
     summary = summarize(results, duration)
     summary["model"] = model
+    summary["speculative"] = spec
     return summary
 
 
@@ -382,6 +443,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         runs["server"] = asyncio.run(run_load(args.base_url, **load))
     print(report.serve_table(runs))
+    if line := report.spec_rounds_line(runs):
+        print(line)
     doc = report.header("serve", {k: v for k, v in vars(args).items() if k not in ("func", "api_key")})
     doc.update(base_url=None if args.launch else args.base_url, runs=runs)
     if args.out:
@@ -392,8 +455,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def write_serve(out_dir: str, doc: dict[str, Any]) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    plot = report.plot_latency_cdfs({n: r["samples"] for n, r in doc["runs"].items()},
-                                    os.path.join(out_dir, "latency_cdf.png"))
-    doc["plots"] = [os.path.basename(plot)]
+    plots = [report.plot_latency_cdfs({n: r["samples"] for n, r in doc["runs"].items()},
+                                      os.path.join(out_dir, "latency_cdf.png"))]
+    drafted = [{"batch_size": n, **r["speculative"]} for n, r in doc["runs"].items()
+               if (r.get("speculative") or {}).get("num_drafts")]
+    if drafted:
+        plots.append(report.plot_acceptance(drafted, os.path.join(out_dir, "acceptance_per_position.png"),
+                                            label="{}"))
+    doc["plots"] = [os.path.basename(p) for p in plots]
     report.write_json(out_dir, doc)
-    report.write_text(out_dir, "report.md", report.serve_markdown(doc, [plot]))
+    report.write_text(out_dir, "report.md", report.serve_markdown(doc, plots))

@@ -141,6 +141,12 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._snapshot: dict[str, Any] = self._collect_metrics()
         self.num_step_errors = 0
+        # Requests sent to the loop thread and not yet added: the runner holds draft-model steps while any
+        # wait, since the next step will carry their prefill (``ModelRunner.arrivals_pending``).
+        self._adds_pending = 0
+        runner = getattr(engine, "runner", None)
+        if runner is not None and hasattr(runner, "arrivals_pending"):
+            runner.arrivals_pending = lambda: self._adds_pending > 0
         # Why the engine can never step again (a tensor-parallel rank was lost), or None.
         self.fatal: str | None = None
         add_listener = getattr(engine, "add_failure_listener", None)
@@ -217,6 +223,8 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             raise
         fut: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            self._adds_pending += 1
         self._send("add", request_id, (prompt, params, prompt_token_ids, speculative, grammar), loop, fut)
         try:
             await fut
@@ -319,6 +327,8 @@ class AsyncEngine:
     def _do_add(self, request_id: str, args: tuple[Any, ...], loop: asyncio.AbstractEventLoop,
                 fut: asyncio.Future[None], closing: bool) -> None:
         prompt, params, prompt_token_ids, speculative, grammar = args
+        with self._lock:
+            self._adds_pending -= 1
         try:
             if closing:
                 raise EngineClosedError("the engine is shutting down")

@@ -166,7 +166,16 @@ class Scheduler:
             req.resumed = False
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(rows, new_reqs, finished, sum(r.num_tokens for r in rows),
-                               self.closed_batches and not self.waiting)
+                               self.closed_batches and not self.waiting,
+                               prefill_ahead=any(not r.needs_sample for r in rows) or self._admissible())
+
+    def _admissible(self) -> bool:
+        """The first waiting request would be admitted next step if nothing changed: a free batch slot and KV
+        blocks for its prompt (a queue held back by a full cache or batch is no prefill ahead)."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        head = self.waiting[0]
+        return -(-head.num_tokens // self.kv.block_size) <= self.kv.num_free_blocks
 
     # -- after the step -------------------------------------------------------------------------------------
     def update(self, so: SchedulerOutput, ro: ModelRunnerOutput,

@@ -271,18 +271,31 @@ class SpecController:
 
     # -- decision -------------------------------------------------------------------------------------------
     def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[Source] | None = None,
-                  remaining: list[int] | None = None, backlog: Sequence[float] | None = None) -> list[int]:
+                  remaining: list[int] | None = None, backlog: Sequence[float] | None = None,
+                  hold: bool = False) -> list[int]:
         """k per request for the next step of these decoding requests; ``other_tokens`` are prefill tokens
         sharing the step; ``sources[i]`` is where request i's drafts come from this step (default: one);
         ``remaining[i]``: tokens request i has left in a draining batch (None: a server's open batch), and
         ``backlog[i]`` the tokens its draft must catch up on before drafting (``record_catch_up``): a request
-        whose model drafts first read a long backlog pays that in either plan."""
+        whose model drafts first read a long backlog pays that in either plan.
+
+        ``hold``: the step carries a new prompt's prefill (a server's arrival). Draft-model steps would run in
+        series before its first token, so only sources that cost no draft step (``FREE_SOURCES``) may draft,
+        planned as usual; no probe or first measurement is spent on such a step."""
         if not req_ids:
             return []
+        srcs = sources if sources is not None else [Source.METHOD] * len(req_ids)
+        if hold and self.adaptive and any(s not in FREE_SOURCES for s in srcs):
+            free = [i for i, s in enumerate(srcs) if s in FREE_SOURCES]
+            ks = [0] * len(req_ids)
+            if free and self.target_cost.distinct() >= 2:
+                pairs = sorted(((m, i) for i in free for m in self.gains(req_ids[i], srcs[i])), key=lambda x: -x[0])
+                ks = self._best_prefix(pairs, [True] * len(req_ids), other_tokens)
+            self.last_k = max(ks)
+            return ks
         if not self.adaptive:
             self.last_k = self.max_k
             return [self.max_k] * len(req_ids)
-        srcs = sources if sources is not None else [Source.METHOD] * len(req_ids)
         self._step += 1
         lag = list(backlog) if backlog else [0.0] * len(req_ids)
         if self.target_cost.distinct() < 2 or (self.draft_cost.distinct() == 0 and self.max_k
@@ -300,8 +313,10 @@ class SpecController:
             if unseen and not any(ks):
                 # A source never verified yet is priced at the prior (0.6, then falling), which a draft model's
                 # cost can keep from ever drafting: its first drafts go to the request with the least to
-                # catch up on, max_k of them, so every position gets measured.
-                ks[min(unseen, key=lambda i: lag[i])] = self.max_k
+                # catch up on, max_k of them, so every position gets measured; unless no plan could pay even
+                # with every draft accepted (then the measurement waits for a batch where one could).
+                if self._could_pay(srcs, other_tokens, lag):
+                    ks[min(unseen, key=lambda i: lag[i])] = self.max_k
             else:
                 self._explore(ks, srcs, other_tokens, lag)
         self.last_k = max(ks)
@@ -337,6 +352,8 @@ class SpecController:
 
         NOTE: exploring away from k = 0 costs real time when drafts keep failing, so the gap doubles each time
         the model still says "off" (and resets once speculation pays again)."""
+        if not self._could_pay(sources, other, lag):
+            return  # nothing to learn that could change the plan here: the next gap asks again
         least = min(lag)
         cheapest = [i for i, n in enumerate(lag) if n == least]
         i = cheapest[self._step % len(cheapest)]
@@ -349,6 +366,20 @@ class SpecController:
         self._probe_budget = max(self._probe_budget - cost, 0.0)
         self._explore_gap = min(self._explore_gap * 2, 64 * self.explore_every)
         ks[i] = min(self.max_k, 1)
+
+    def _could_pay(self, sources: list[Source], other: int, backlog: Sequence[float]) -> bool:
+        """Whether some plan would beat no drafts if every draft were accepted: the upper bound of what drafting
+        can give at this batch's measured costs, the catch-up on each request's backlog included. Where even
+        that loses (a draft model at a large batch of short requests, each with a prompt to read), a first
+        measurement or a probe of acceptance is spent for nothing. Two families of plans are tried: the
+        requests with the least backlog drafting ``max_k`` each, one after another, and every request drafting
+        one more position at a time."""
+        free = [s in FREE_SOURCES for s in sources]
+        catch_up = [0.0 if f else self._catch_up * n for f, n in zip(free, backlog)]
+        order = sorted(range(len(sources)), key=lambda i: catch_up[i])
+        by_request = [(1.0, i) for i in order for _ in range(self.max_k)]
+        by_position = [(1.0, i) for _ in range(self.max_k) for i in order]
+        return any(any(self._best_prefix(pairs, free, other, catch_up=catch_up)) for pairs in (by_request, by_position))
 
     def _best(self, req_ids: list[str], sources: list[Source], other: int, backlog: Sequence[float]) -> list[int]:
         """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s."""

@@ -251,12 +251,13 @@ class Drafter:
             self.controller.record_acceptance(req_id, num_draft, num_accepted, source)
         return source
 
-    def propose(self, cands: list[ProposeRequest], draining: bool = False) -> dict[str, Draft]:
+    def propose(self, cands: list[ProposeRequest], draining: bool = False, hold: bool = False) -> dict[str, Draft]:
         """Drafts for the next step. ``cands``: the speculating requests after this step, each with ``room`` the
         most drafts it has room for; the controller sets each one's ``k`` within that (0: no drafts), pricing
         the features an EAGLE head must catch up on before it drafts (``backlog``).
         ``draining``: an offline batch that only drains; the controller then plans for the batch's end
-        (``SpecController.choose_ks``' ``remaining``: ``room`` + 1 tokens each).
+        (``SpecController.choose_ks``' ``remaining``: ``room`` + 1 tokens each). ``hold``: the next step carries a
+        new prompt's prefill, so only drafts that cost no draft step (prompt lookup, grammar) are made.
 
         Structured outputs (``--no-grammar-drafts`` turns this off): where the request's grammar forces the
         next tokens, those are its drafts (free, source "grammar"); a draft model or head drafts among the
@@ -270,7 +271,9 @@ class Drafter:
         sources = [Source.GRAMMAR if f else proposer.source(c, controller.max_k) for c, f in zip(cands, forced)]
         remaining = [c.room + 1 for c in cands] if draining else None
         backlog = [proposer_backlog(proposer, c, controller.max_k) for c in cands]
-        ks = controller.choose_ks([c.req_id for c in cands], sources=sources, remaining=remaining, backlog=backlog)
+        # (a proposer that writes no KV runs no model: its drafts delay nobody's first token)
+        ks = controller.choose_ks([c.req_id for c in cands], sources=sources, remaining=remaining, backlog=backlog,
+                                  hold=hold and proposer.writes_kv)
         out: dict[str, Draft] = {}
         reqs, req_sources = [], []
         for c, k, source, f in zip(cands, ks, sources, forced):

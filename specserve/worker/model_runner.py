@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +158,9 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.start(self._alloc_kv, self.kv_caches, self.block_size, self.graph_plan)
         self.requests: dict[str, CachedRequest] = {}
+        # Requests queued by a server and not yet handed to the scheduler (``AsyncEngine``): like
+        # ``SchedulerOutput.prefill_ahead``, a prefill the next step will most likely carry.
+        self.arrivals_pending: Callable[[], bool] | None = None
         self._target_call = self.mirror.wrap("target", self._forward)
         self._move_kv_call = self.mirror.wrap("move_kv", self._move_kv)
         self.embed = self.mirror.wrap("embed", self._embed)
@@ -362,7 +365,7 @@ class ModelRunner:
         sampled = {r.req_id: em for r, em in zip(sample_rows, emitted)}
         if sink is not None and prenorm is not None:
             sink_features(rows, sampled, prenorm, sink)
-        spec_token_ids, spec_parents = self._propose(sample_rows, emitted, so.draining) if drafter is not None \
+        spec_token_ids, spec_parents = self._propose(sample_rows, emitted, so) if drafter is not None \
             else ({}, {})
         return ModelRunnerOutput(sampled, spec_token_ids, logprobs, spec_parents, sources, prompt_logprobs)
 
@@ -468,10 +471,12 @@ class ModelRunner:
                 out[r.req_id] = entries
         return out
 
-    def _propose(self, rows: list[ScheduledRequest], emitted: list[list[int]], draining: bool
+    def _propose(self, rows: list[ScheduledRequest], emitted: list[list[int]], so: SchedulerOutput
                  ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """The drafter's drafts for the speculating rows, each capped by the room left (max_tokens, context;
-        a row without room still counts in the controller's batch), and the parents of those that are trees."""
+        a row without room still counts in the controller's batch), and the parents of those that are trees.
+        When the next step carries a prefill (``so.prefill_ahead``, or a server's request not yet scheduled),
+        the drafter holds its draft-model steps: they would delay that request's first token (TTFT)."""
         assert self.drafter is not None
         cands = []
         defer = self.drafter.defers_first_draft
@@ -484,7 +489,8 @@ class ModelRunner:
                 slots = min(room, len(r.block_ids) * self.block_size - len(c.token_ids))
                 cands.append(ProposeRequest(r.req_id, c.token_ids, valid, 0, r.block_ids, c.state, slots=slots,
                                             room=room, spec=self.drafter.state(r.req_id)))
-        drafts = self.drafter.propose(cands, draining) if cands else {}
+        hold = not so.draining and (so.prefill_ahead or (self.arrivals_pending is not None and self.arrivals_pending()))
+        drafts = self.drafter.propose(cands, so.draining, hold) if cands else {}
         for req_id, d in drafts.items():
             self.requests[req_id].draft_probs = d.probs
         return ({req_id: d.token_ids for req_id, d in drafts.items()},
