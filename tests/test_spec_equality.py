@@ -334,7 +334,8 @@ class ChaosController(SpecController):
         self.draining: set[bool] = set()  # whether a call came with the remaining tokens of a draining batch
 
     def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[str] | None = None,
-                  remaining: list[int] | None = None, backlog: list[int] | None = None) -> list[int]:
+                  remaining: list[int] | None = None, backlog: list[int] | None = None,
+                  hold: bool = False) -> list[int]:
         ks = [self.rng.randint(0, self.max_k) for _ in req_ids]
         self.seen.add(len(set(ks)))
         self.draining.add(remaining is not None)
