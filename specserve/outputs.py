@@ -22,6 +22,7 @@ class NewRequestData:
     spec_enabled: bool
     min_tokens_stop_ids: tuple[int, ...] = ()  # masked until min_tokens outputs exist (sample/sampler.py)
     grammar: Any = None  # a compiled grammar (structured outputs; sample/grammar.py)
+    stop_ids: tuple[int, ...] = ()  # sampling one ends the request (EOS unless ignore_eos, stop_token_ids)
 
 
 @dataclass(frozen=True, slots=True)

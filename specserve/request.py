@@ -128,6 +128,13 @@ class Request:
         eos = () if params.ignore_eos else tuple(self.eos_token_ids)
         return tuple(sorted(set(eos) | set(params.stop_token_ids)))
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Tokens that end the request when sampled: EOS (unless ignore_eos) and stop_token_ids."""
+        params = self.sampling_params
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        return tuple(sorted(set(eos) | set(params.stop_token_ids)))
+
     def record_verification(self, num_draft: int, num_accepted: int, source: Source | None) -> None:
         """One verification pass of this request's drafts: the one place speculation counters are counted."""
         self.spec_stats.record(num_draft, num_accepted)

@@ -127,6 +127,32 @@ def test_a_prefill_ahead_holds_draft_model_steps(tmp_path, method):
     assert engine.runner.arrivals_pending() is True
 
 
+def test_a_request_that_samples_a_stop_token_gets_no_drafts_for_a_step_it_will_not_run(tmp_path):
+    """The step whose tokens include a stop token (EOS, stop_token_ids) ends the request: the draft model is
+    not asked for drafts that would be thrown away; until then it drafts every step; the output is unchanged."""
+    path = save_tiny_checkpoint(tmp_path)
+    llm = LLM(path, speculative_model=path, num_speculative_tokens=2, speculative_adaptive=False, dtype="float32",
+              num_blocks=64)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    free = llm.generate(None, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), prompt_token_ids=[prompt])
+    toks = free[0].outputs[0].token_ids
+    stop = toks[6]
+    engine, calls = llm.engine, []
+    proposer = engine.runner.drafter.proposer
+    real = proposer.propose
+    proposer.propose = lambda reqs, *rest: calls.append({r.req_id for r in reqs}) or real(reqs, *rest)
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                   stop_token_ids=[stop]))
+    steps = []
+    while engine.has_unfinished():
+        n = len(calls)
+        out = engine.step()
+        steps.append(("r" in set().union(*calls[n:]), bool(out) and out[0].finished))
+    assert steps[-1] == (False, True)  # the stop token's step proposed nothing for it
+    assert all(proposed for proposed, _ in steps[1:-1])  # every step between the first and the last did
+    assert out[0].outputs[0].token_ids == toks[:toks.index(stop) + 1]
+
+
 def _leak_configs(root: pathlib.Path) -> list[dict]:
     import torch
 

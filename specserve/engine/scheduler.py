@@ -151,7 +151,7 @@ class Scheduler:
                 self._unseen.discard(req.request_id)
                 new_reqs.append(NewRequestData(req.request_id, list(req.prompt_token_ids),
                                                req.sampling_params, req.max_tokens, req.spec_enabled,
-                                               req.min_tokens_stop_ids, req.grammar))
+                                               req.min_tokens_stop_ids, req.grammar, req.stop_ids))
             rows.append(ScheduledRequest(
                 req_id=req.request_id,
                 token_ids=tuple(known) + tuple(drafts),

@@ -91,6 +91,7 @@ class CachedRequest:
     spec_enabled: bool
     draft_probs: torch.Tensor | None = None  # [k, V] q of the drafts proposed last step (None: one-hot)
     num_prompt: int = 0
+    stop_ids: frozenset[int] = frozenset()  # sampling one ends the request (``NewRequestData.stop_ids``)
 
 
 def build_model(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype, max_positions: int,
@@ -426,7 +427,8 @@ class ModelRunner:
                                                 nr.min_tokens_stop_ids,
                                                 GrammarState(nr.grammar) if nr.grammar is not None else None)
             self.requests[nr.req_id] = CachedRequest(state, list(nr.prompt_token_ids), nr.max_tokens,
-                                                     nr.spec_enabled, num_prompt=len(nr.prompt_token_ids))
+                                                     nr.spec_enabled, num_prompt=len(nr.prompt_token_ids),
+                                                     stop_ids=frozenset(nr.stop_ids))
         for r in so.rows:
             if r.resumed and self.drafter is not None:
                 self.drafter.forget_kv(r.req_id)
@@ -483,8 +485,10 @@ class ModelRunner:
         for r, em in zip(rows, emitted):
             c = self.requests[r.req_id]
             room = min(c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
-            # NOTE: a draft model's catch-up on the prompt waits for the next step: it is not in the TTFT.
-            if c.spec_enabled and not (defer and len(c.state.output_token_ids) == len(em)):
+            # NOTE: a draft model's catch-up on the prompt waits for the next step: it is not in the TTFT. A row
+            # that sampled a stop token ends here (the engine stops at it): drafts for it would be thrown away.
+            if c.spec_enabled and not (defer and len(c.state.output_token_ids) == len(em)) \
+                    and c.stop_ids.isdisjoint(em):
                 valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
                 slots = min(room, len(r.block_ids) * self.block_size - len(c.token_ids))
                 cands.append(ProposeRequest(r.req_id, c.token_ids, valid, 0, r.block_ids, c.state, slots=slots,
