@@ -122,11 +122,7 @@ class Request:
     @property
     def min_tokens_stop_ids(self) -> tuple[int, ...]:
         """The tokens ``min_tokens`` keeps from being sampled: EOS (unless ignore_eos) and stop_token_ids."""
-        params = self.sampling_params
-        if not params.min_tokens:
-            return ()
-        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-        return tuple(sorted(set(eos) | set(params.stop_token_ids)))
+        return self.stop_ids if self.sampling_params.min_tokens else ()
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
