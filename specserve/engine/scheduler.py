@@ -175,7 +175,7 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         head = self.waiting[0]
-        return -(-head.num_tokens // self.kv.block_size) <= self.kv.num_free_blocks
+        return self.kv.blocks_needed(head.num_tokens) <= self.kv.num_free_blocks
 
     # -- after the step -------------------------------------------------------------------------------------
     def update(self, so: SchedulerOutput, ro: ModelRunnerOutput,

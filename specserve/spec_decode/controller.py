@@ -286,11 +286,9 @@ class SpecController:
             return []
         srcs = sources if sources is not None else [Source.METHOD] * len(req_ids)
         if hold and self.adaptive and any(s not in FREE_SOURCES for s in srcs):
-            free = [i for i, s in enumerate(srcs) if s in FREE_SOURCES]
             ks = [0] * len(req_ids)
-            if free and self.target_cost.distinct() >= 2:
-                pairs = sorted(((m, i) for i in free for m in self.gains(req_ids[i], srcs[i])), key=lambda x: -x[0])
-                ks = self._best_prefix(pairs, [True] * len(req_ids), other_tokens)
+            if any(s in FREE_SOURCES for s in srcs) and self.target_cost.distinct() >= 2:
+                ks = self._best(req_ids, srcs, other_tokens, [0.0] * len(req_ids), free_only=True)
             self.last_k = max(ks)
             return ks
         if not self.adaptive:
@@ -381,10 +379,12 @@ class SpecController:
         by_position = [(1.0, i) for _ in range(self.max_k) for i in order]
         return any(any(self._best_prefix(pairs, free, other, catch_up=catch_up)) for pairs in (by_request, by_position))
 
-    def _best(self, req_ids: list[str], sources: list[Source], other: int, backlog: Sequence[float]) -> list[int]:
-        """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s."""
-        pairs = sorted(((m, i) for i, (r, s) in enumerate(zip(req_ids, sources)) for m in self.gains(r, s)),
-                       key=lambda x: -x[0])
+    def _best(self, req_ids: list[str], sources: list[Source], other: int, backlog: Sequence[float],
+              free_only: bool = False) -> list[int]:
+        """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s (``free_only``:
+        of the requests whose drafts cost no draft step)."""
+        pairs = sorted(((m, i) for i, (r, s) in enumerate(zip(req_ids, sources))
+                        if not free_only or s in FREE_SOURCES for m in self.gains(r, s)), key=lambda x: -x[0])
         free = [s in FREE_SOURCES for s in sources]
         return self._best_prefix(pairs, free, other,
                                  catch_up=[0.0 if f else self._catch_up * n for f, n in zip(free, backlog)])
