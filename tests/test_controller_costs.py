@@ -120,3 +120,51 @@ def test_a_step_carrying_a_prefill_gets_no_draft_model_steps_but_keeps_free_draf
         assert c.choose_ks(ids, sources=srcs, hold=True) == [0, 4]
     assert c.choose_ks(["new"], sources=[Source.METHOD], hold=True) == [0]  # an unseen source waits too
     assert c.choose_ks(ids, sources=srcs) == [4, 4]
+
+
+def test_a_chain_stop_prices_a_row_and_a_draft_step_at_the_plans_rate():
+    """``chain_stop``: at the plan's predicted rate R (tokens/s), a draft is kept while its calibrated path
+    estimate is at least t_row R and the chain goes on while it is at least (t_row + t_draft) R; the
+    calibration by confidence starts at the raw confidence and moves to what verification measured."""
+    from specserve.spec_decode.controller import SpecController
+    from specserve.spec_decode.state import Source
+
+    c = SpecController(5)
+    for n in range(1, 10):
+        c.record_target(n, 0.026 + 0.0044 * (n - 1))  # the 1.5B pair's costs: a step, a row
+    c.record_draft(1, 0.001)  # a head's step
+    for _ in range(20):
+        c.record_acceptance("a", 2, 2)
+    ks = c.choose_ks(["a"])
+    assert ks[0] >= 1
+    stop = c.chain_stop
+    assert stop is not None
+    gains = c.gains("a")
+    rate = (1 + sum(gains[:ks[0]])) / (0.026 + 0.0044 * ks[0] + 0.001 * ks[0])
+    assert stop.keep == pytest.approx(0.0044 * rate, rel=1e-6)
+    assert stop.next == pytest.approx(0.0054 * rate, rel=1e-6)
+    assert stop.rate(0.4) == pytest.approx(0.4)  # nothing measured: the raw confidence
+    for _ in range(50):  # drafts of confidence 0.4 are accepted far more often than that
+        c.record_confidence(Source.METHOD, [0.42, 0.41], 2)
+    assert c.confidence_rate(Source.METHOD, 0.45) > 0.9
+    assert c.chain_stop.rate(0.45) > 0.9  # the step's stop reads the calibration as it is now
+    path, keep, more = stop.more(1.0, 0.95)
+    assert keep and more
+    path, keep, more = stop.more(path * 0.1, 0.5)
+    assert not keep and not more
+
+
+def test_no_chain_stop_without_the_adaptive_plan_or_without_model_drafts():
+    from specserve.spec_decode.controller import SpecController
+    from specserve.spec_decode.state import Source
+
+    fixed = SpecController(4, adaptive=False)
+    assert fixed.choose_ks(["a"]) == [4] and fixed.chain_stop is None  # a fixed k is exactly k drafts
+    c = SpecController(4)
+    for n in range(1, 8):
+        c.record_target(n, 0.010 + 0.001 * n)
+    c.record_draft(1, 0.001)
+    c.record_acceptance("a", 4, 4, Source.LOOKUP)
+    assert c.choose_ks(["a"], sources=[Source.LOOKUP])[0] > 0 and c.chain_stop is None  # lookup: no chain
+    c.record_acceptance("a", 4, 4, Source.MODEL)
+    assert c.choose_ks(["a"], sources=[Source.MODEL], hold=True) == [0] and c.chain_stop is None

@@ -78,7 +78,15 @@ def test_head_distill_resume_and_exactness(setup):
     assert [r["k"] for r in report["evaluation"]["by_k"]] == [1, 2, 3, 4, 5]
     assert all(r["exact"] for r in report["evaluation"]["by_k"])
 
-    _distill(setup, out, "--kind", "head", "--steps", "5", "--resume")
+    # --resume asking for more text reads on from where the first collection stopped
+    _distill(setup, out, "--kind", "head", "--steps", "5", "--resume", "--text-tokens", "500", "--text-seq-len", "48")
+    samples2, meta2 = load_samples(os.path.join(out, "samples.pt"))
+    text2 = [s for s in samples2 if s.prompt_len == 1]
+    assert meta2["text_tokens"] == 500 and len(samples2) > len(samples)
+    assert [s.token_ids for s in text2[:len(text)]] == [s.token_ids for s in text]
+    new = text2[len(text):]
+    assert sum(len(s.token_ids) for s in new) >= 200
+    assert not {tuple(s.token_ids) for s in new} & {tuple(s.token_ids) for s in text}
     ck2 = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     assert ck2["step"] == 5
     assert [h["step"] for h in ck2["history"]] == [1, 2, 3, 4, 5]

@@ -191,3 +191,65 @@ def test_no_speculation_state_left_after_finished_and_aborted_requests(tmp_path)
         engine.step()  # the last finished requests reach the worker with the next step
         assert len(drafter.states) == 0, (kwargs, list(drafter.states))
         llm.close()
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_a_greedy_chain_ends_where_its_confidence_stops_paying(tmp_path, method):
+    """With a chain stop (here fixed: every draft worth half the path before it, kept from 0.2, continued
+    from 0.3), a request the plan gives k = 1 drafts up to max_k and ends after its second draft; with a
+    keep price above the first draft's worth it drafts nothing. The drafts' confidences reach the
+    controller, and the output is the target's own."""
+    import torch
+
+    from specserve.spec_decode.proposer import ChainStop
+
+    path = save_tiny_checkpoint(tmp_path / "target")
+    if method == "draft":
+        kw = dict(speculative_model=path)
+    else:
+        from specserve.model.checkpoint.loader import load_checkpoint
+        from specserve.model.decoder import DecoderModel
+        from tests.helpers import save_tiny_eagle_head
+
+        ck = load_checkpoint(path)
+        target = DecoderModel(ck.arch, torch.float32, torch.device("cpu"), None, 1024)  # type: ignore[arg-type]
+        target.load_weights(ck.state_dict)
+        save_tiny_eagle_head(target, str(tmp_path / "head"), torch.Generator().manual_seed(0))
+        kw = dict(speculative_method="eagle", speculative_model=str(tmp_path / "head"))
+    llm = LLM(path, num_speculative_tokens=4, dtype="float32", num_blocks=64, **kw)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = llm.generate(None, sp, prompt_token_ids=[prompt], speculative=False)[0].outputs[0].token_ids
+    drafter = llm.engine.runner.drafter
+    ctl = drafter.controller
+    chains: list[tuple[int, int]] = []
+    recorded: list[tuple[list[float], int]] = []
+    real_propose, real_record = drafter.proposer.propose, ctl.record_confidence
+
+    def propose(reqs, *rest):
+        out = real_propose(reqs, *rest)
+        chains.extend((r.k, len(d.token_ids)) for r, d in zip(reqs, out))
+        return out
+
+    current: list[ChainStop] = []
+
+    def choose(ids, **kw):
+        ctl._chain_stop = current[-1]
+        return [1] * len(ids)
+
+    drafter.proposer.propose = propose
+    ctl.choose_ks = choose
+    ctl.record_confidence = lambda source, confs, n: recorded.append((list(confs), n)) or real_record(source, confs, n)
+    for stop, drafted in ((ChainStop(0.2, 0.3, lambda p: 0.5), 2), (ChainStop(0.6, 0.7, lambda p: 0.5), 0)):
+        chains.clear()
+        recorded.clear()
+        current.append(stop)
+        out = llm.generate(None, sp, prompt_token_ids=[prompt])[0].outputs[0].token_ids
+        assert out == ref
+        assert chains and any(k == 4 for k, _ in chains)  # the plan's k = 1, raised to max_k
+        assert all(n == min(k, drafted) for k, n in chains)
+        if drafted:
+            assert sorted(len(c) for c, _ in recorded) == sorted(n for _, n in chains if n)  # one per verified chain
+            assert all(0.0 < p <= 1.0 for c, _ in recorded for p in c)
+        else:
+            assert not recorded

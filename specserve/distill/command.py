@@ -43,7 +43,8 @@ def add_distill_parser(sub: Any) -> None:
     d.add_argument("--tokens", type=int, default=32000, help="target-sampled tokens to collect")
     d.add_argument("--text-tokens", type=int, default=0,
                    help="also teacher-force the target over this many tokens of Python standard-library source "
-                        "(the benchmark workloads' modules excluded): cheap volume next to the sampled data")
+                        "(the benchmark workloads' modules excluded): cheap volume next to the sampled data; with "
+                        "--resume, a larger figure reads on from where the earlier text ended")
     d.add_argument("--text-seq-len", type=int, default=256, help="sequence length of the teacher-forced text")
     d.add_argument("--greedy-every", type=int, default=0,
                    help="every N-th sampling batch decodes greedily (0: all sampled at --temperature)")
@@ -197,14 +198,17 @@ def _collect(args: argparse.Namespace, llm: Any) -> tuple[list[Any], list[Any], 
         meta = {**meta, "dataset": ",".join(have + added)}
         D.save_samples(path, samples, meta)
         train_prompts, held = train_prompts + new_train, held + new_held
-    if args.text_tokens > 0 and not meta.get("text_tokens"):
+    have_text = int(meta.get("text_tokens") or 0)
+    if args.text_tokens > have_text:  # fresh, or --resume asking for more text: read on where the last one ended
         from specserve.datasets import CODE_MODULES, SUMMARIZE_MODULES
 
         chunks = D.stdlib_code_chunks(llm.tokenizer, CODE_MODULES + SUMMARIZE_MODULES, args.text_seq_len, args.seed)
         model = llm.target_model()
-        samples += D.collect_text(model, chunks, args.text_tokens, max(1, 2048 // args.text_seq_len),
-                                  taps=model.feature_layers)
-        D.save_samples(path, samples, {**meta, "text_tokens": args.text_tokens})
+        read = sum(1 for s in samples if s.prompt_len == 1)
+        samples += D.collect_text(model, chunks, args.text_tokens - have_text, max(1, 2048 // args.text_seq_len),
+                                  taps=model.feature_layers, skip=read)
+        meta = {**meta, "text_tokens": args.text_tokens}
+        D.save_samples(path, samples, meta)
     return samples, train_prompts, held
 
 

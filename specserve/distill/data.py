@@ -241,8 +241,9 @@ def stdlib_code_chunks(tokenizer: Any, exclude: tuple[str, ...], seq_len: int, s
 
 
 def collect_text(model: Any, chunks: Iterator[list[int]], num_tokens: int, batch: int, top_k: int = 32,
-                 taps: tuple[int, ...] | None = None) -> list[Sample]:
+                 taps: tuple[int, ...] | None = None, skip: int = 0) -> list[Sample]:
     """Teacher-forced target passes over text (no sampling): features and soft targets at every position.
+    ``skip``: chunks an earlier collection already read (one sample each), passed over.
 
     A dense causal forward over [batch, seq_len] is several times faster per token on a CPU than decoding, so
     this buys volume; the engine-sampled data (``collect``) buys the target's own style."""
@@ -251,8 +252,12 @@ def collect_text(model: Any, chunks: Iterator[list[int]], num_tokens: int, batch
     bar = tqdm(total=num_tokens, desc="collect (teacher-forced text)", unit="tok")
     group: list[list[int]] = []
     for chunk in chunks:
-        if len(chunk) >= 8:
-            group.append(chunk)
+        if len(chunk) < 8:
+            continue
+        if skip > 0:
+            skip -= 1
+            continue
+        group.append(chunk)
         if len(group) < batch:
             continue
         n = _text_batch(model, group, top_k, samples, taps)

@@ -25,7 +25,8 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from specserve.spec_decode.state import FREE_SOURCES, Acceptance, Source, SpecStates
+from specserve.spec_decode.proposer import ChainStop
+from specserve.spec_decode.state import FREE_SOURCES, Acceptance, ConfidenceBins, Source, SpecStates
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -178,6 +179,9 @@ class SpecController:
         # accepted nodes, whose ratio calibrates the draft's confidence into expected accepted tokens.
         self._tree_pred = 0.0
         self._tree_acc = 0.0
+        # Greedy chains: acceptance by the draft's confidence in its token, per source (``chain_stop``).
+        self._confidence: dict[Source, ConfidenceBins] = {}
+        self._chain_stop: ChainStop | None = None  # this step's, from ``choose_ks`` (None: chains run to k)
         self._catch_up = 0.0  # seconds per token a draft spends catching up on a backlog (0: unmeasured)
         self._catch_samples: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of catch-up calls
 
@@ -221,6 +225,50 @@ class SpecController:
             g = self._global[source] = Acceptance(k)
         g.observe(num_draft, num_accepted, decay=0.95)
         self._global_rates.pop(source, None)
+
+    def record_confidence(self, source: Source, confs: list[float], num_accepted: int) -> None:
+        """A verified greedy chain: its drafts' confidences, ``num_accepted`` of them accepted."""
+        bins = self._confidence.get(source)
+        if bins is None:
+            bins = self._confidence[source] = ConfidenceBins()
+        bins.observe(confs, num_accepted, decay=0.98)
+
+    def confidence_rate(self, source: Source, p: float) -> float:
+        """P(a greedy draft of confidence p is accepted | the drafts before it were): measured per confidence
+        bin over the raw confidence (``ConfidenceBins``)."""
+        bins = self._confidence.get(source)
+        return p if bins is None else bins.rate(p, self.prior_weight)
+
+    @property
+    def chain_stop(self) -> ChainStop | None:
+        """Where this step's greedy chains of a model source end (``choose_ks`` sets it; None: at k).
+
+        Draft j is worth its calibrated path estimate (the product of ``confidence_rate`` over drafts 1..j) in
+        expected tokens. At the plan's predicted rate R (tokens/s), a verification row costing t_row seconds
+        is worth keeping when that estimate is at least t_row R, and another draft step (t_draft) is worth
+        taking when it is at least (t_row + t_draft) R. So a chain runs as deep as the draft is sure of
+        itself, up to ``max_k``, and ends where it is not: the demo pair's head drafts past its average
+        position acceptance in a function's boilerplate and stops at a name it has to guess."""
+        return self._chain_stop
+
+    def _set_chain_stop(self, req_ids: list[str], sources: list[Source], other: int, ks: list[int],
+                        backlog: Sequence[float], source: Source) -> None:
+        free = [s in FREE_SOURCES for s in sources]
+        drafting = sum(1 for k, f in zip(ks, free) if k and not f)
+        self._chain_stop = None
+        if not drafting:
+            return
+        b, n = len(req_ids), sum(ks)
+        tokens = float(b) + sum(sum(self.gains(r, s)[:k]) for r, s, k in zip(req_ids, sources, ks) if k)
+        k_max = max((k for k, f in zip(ks, free) if not f), default=0)
+        extra = self._catch_up * sum(lag for lag, k, f in zip(backlog, ks, free) if k and not f)
+        rate = self._rate(b, other, n, tokens, k_max, drafting, extra)
+        t_n = self.target_cost.predict(other + b + n) or 0.0
+        t_row = max((self.target_cost.predict(other + b + n + 1) or 0.0) - t_n, 0.0)
+        t_draft = self.draft_cost.predict(drafting) or 0.0
+        if rate <= 0.0:
+            return
+        self._chain_stop = ChainStop(t_row * rate, (t_row + t_draft) * rate, lambda p: self.confidence_rate(source, p))
 
     def record_tree(self, predicted: float, accepted: int) -> None:
         """One verified tree: the sum of its nodes' draft path probabilities, and its accepted path's length."""
@@ -282,6 +330,7 @@ class SpecController:
         ``hold``: the step carries a new prompt's prefill (a server's arrival). Draft-model steps would run in
         series before its first token, so only sources that cost no draft step (``FREE_SOURCES``) may draft,
         planned as usual; no probe or first measurement is spent on such a step."""
+        self._chain_stop = None
         if not req_ids:
             return []
         srcs = sources if sources is not None else [Source.METHOD] * len(req_ids)
@@ -305,7 +354,8 @@ class SpecController:
             if not self.last_k:
                 ks[lag.index(min(lag))] = self.max_k
         else:
-            ks = self._best(req_ids, srcs, other_tokens, lag) if remaining is None or len(req_ids) == 1 \
+            planned = remaining is None or len(req_ids) == 1
+            ks = self._best(req_ids, srcs, other_tokens, lag) if planned \
                 else self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
             unseen = [i for i, s in enumerate(srcs) if s not in self._global]
             if unseen and not any(ks):
@@ -317,6 +367,9 @@ class SpecController:
                     ks[min(unseen, key=lambda i: lag[i])] = self.max_k
             else:
                 self._explore(ks, srcs, other_tokens, lag)
+            if planned:
+                model = [s for s in srcs if s not in FREE_SOURCES]
+                self._set_chain_stop(req_ids, srcs, other_tokens, ks, lag, model[0] if model else Source.METHOD)
         self.last_k = max(ks)
         return ks
 

@@ -133,23 +133,39 @@ Advance = Callable[[list[int], list[int], list[int], list[int]], torch.Tensor]
 def draft_chain(reqs: list[ProposeRequest], logits: torch.Tensor, sampler: DraftSampler,
                 advance: Advance) -> list[Draft]:
     """Autoregressive drafting shared by the draft-model and EAGLE proposers: sample a draft per request
-    from ``logits`` [B, V], feed it back through ``advance``, until each request has its ``k`` drafts."""
+    from ``logits`` [B, V], feed it back through ``advance``, until each request has its ``k`` drafts, or (a
+    greedy request with ``stop``) until its chain is no longer worth a row (``ChainStop``)."""
     drafts: list[list[int]] = [[] for _ in reqs]
     probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+    confs: list[list[float]] = [[] for _ in reqs]
+    paths = [1.0] * len(reqs)
+    want = any(r.stop is not None and r.state.params.greedy for r in reqs)
     active = list(range(len(reqs)))
     while True:
-        toks, q = sampler.sample(logits, [reqs[i] for i in active], [drafts[i] for i in active])
+        toks, q, conf = sampler.sample_with_confidence(logits, [reqs[i] for i in active],
+                                                       [drafts[i] for i in active], want)
+        rows = []
         for j, i in enumerate(active):
+            more = True
+            stop = reqs[i].stop
+            if conf is not None and reqs[i].state.params.greedy:
+                if stop is not None:
+                    paths[i], keep, more = stop.more(paths[i], conf[j])
+                    if not keep:
+                        continue
+                confs[i].append(conf[j])
             drafts[i].append(toks[j])
             if q is not None and not reqs[i].state.params.greedy:
                 probs[i].append(q[j])
-        rows = [j for j, i in enumerate(active) if len(drafts[i]) < reqs[i].k]
+            if more and len(drafts[i]) < reqs[i].k:
+                rows.append(j)
         active = [active[j] for j in rows]
         if not active:
             break
         logits = advance(rows, active, [drafts[i][-1] for i in active],
                          [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active])
-    return [Draft(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs, strict=True)]
+    return [Draft(d, torch.stack(p) if p else None, confs=c if c and len(c) == len(d) else None)
+            for d, p, c in zip(drafts, probs, confs, strict=True)]
 
 
 class DraftSampler:
@@ -167,6 +183,13 @@ class DraftSampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]
                ) -> tuple[list[int], torch.Tensor | None]:
+        toks, q, _ = self.sample_with_confidence(logits, reqs, drafts, False)
+        return toks, q
+
+    def sample_with_confidence(self, logits: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]],
+                               confidence: bool) -> tuple[list[int], torch.Tensor | None, list[float] | None]:
+        """(draft tokens, q or None, with ``confidence`` each row's probability of its token under its processed
+        distribution -- meaningful for greedy rows, whose token is that distribution's argmax)."""
         logits = logits[:, :self.vocab_size]
         # The draft's q: the request's processing (bias, min_tokens, penalties over output + drafts so far);
         # the grammar is applied below, at the state after the drafts so far (q may be anything: exact).
@@ -176,7 +199,8 @@ class DraftSampler:
         if self.grammar and any(r.state.grammar is not None for r in reqs):
             processed = self.masked(processed, reqs, drafts)
         if all(r.state.params.greedy for r in reqs):
-            return row_argmax(processed), None
+            conf = torch.softmax(processed.float(), dim=-1).amax(dim=-1).tolist() if confidence else None
+            return row_argmax(processed), None, conf
         q = torch.softmax(processed, dim=-1)
         noise = torch.empty_like(q)
         for j, r in enumerate(reqs):
@@ -184,7 +208,7 @@ class DraftSampler:
         sampled = (q / noise).argmax(dim=-1)  # exponential race: an exact sample from q
         greedy = torch.tensor([r.state.params.greedy for r in reqs], device=q.device)
         toks = torch.where(greedy, argmax_rows(processed), sampled)
-        return toks.tolist(), q
+        return toks.tolist(), q, q.amax(dim=-1).tolist() if confidence else None
 
     @staticmethod
     def masked(processed: torch.Tensor, reqs: list[ProposeRequest], drafts: list[list[int]]) -> torch.Tensor:

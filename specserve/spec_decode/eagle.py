@@ -113,8 +113,7 @@ class EagleProposer:
         for r in reqs:
             r.spec.draft.head_valid = len(r.token_ids)
         if greedy:
-            ids = self._greedy_tokens(reqs, [[] for _ in reqs], head_out)
-            return self._greedy_chains(reqs, [[t] for t in ids], pred)
+            return self._greedy_chains(reqs, head_out, pred)
         if len(tree) == len(reqs):
             return self._trees(reqs, best, pred, other_rows)
         if not tree:  # chains only: no row selection (a copy of the [B, V] logits)
@@ -141,31 +140,47 @@ class EagleProposer:
 
         return draft_chain(reqs, logits, self.sampler, advance)
 
-    def _greedy_chains(self, reqs: list[ProposeRequest], drafts: list[list[int]], pred: torch.Tensor) -> list[Draft]:
-        """Chains for greedy requests without logits processing (``plain_greedy``), from their first drafts:
-        each step's drafts come from the head's logits over its draft vocabulary (``_greedy_tokens``)."""
-        active = [i for i, r in enumerate(reqs) if r.k > 1]
-        if len(active) < len(reqs):
-            pred = pred[active]
-        while active:
+    def _greedy_chains(self, reqs: list[ProposeRequest], out: tuple[torch.Tensor, torch.Tensor | None],
+                       pred: torch.Tensor) -> list[Draft]:
+        """Chains for greedy requests without logits processing (``plain_greedy``) from the head's first
+        ``vocab_logits`` step ``out``: each draft is the argmax over the head's draft vocabulary
+        (``_greedy_tokens``); a request with ``stop`` ends its chain where it stops paying (``ChainStop``)."""
+        drafts: list[list[int]] = [[] for _ in reqs]
+        confs: list[list[float]] = [[] for _ in reqs]
+        paths = [1.0] * len(reqs)
+        active = list(range(len(reqs)))
+        while True:
+            toks, conf = self._greedy_tokens([reqs[i] for i in active], [drafts[i] for i in active], out)
+            keep = []
+            for j, i in enumerate(active):
+                more, stop = True, reqs[i].stop
+                if stop is not None:
+                    paths[i], kept, more = stop.more(paths[i], conf[j])
+                    if not kept:
+                        continue
+                drafts[i].append(toks[j])
+                confs[i].append(conf[j])
+                if more and len(drafts[i]) < reqs[i].k:
+                    keep.append(j)
+            if len(keep) < len(active):
+                active, pred = [active[j] for j in keep], pred[keep]
+            if not active:
+                break
             out, pred = self.steps.vocab_logits([[drafts[i][-1]] for i in active], pred,
                                                 [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active],
                                                 [reqs[i].block_ids for i in active])
-            for i, t in zip(active, self._greedy_tokens([reqs[i] for i in active], [drafts[i] for i in active], out)):
-                drafts[i].append(t)
-            keep = [j for j, i in enumerate(active) if len(drafts[i]) < reqs[i].k]
-            if len(keep) < len(active):
-                active, pred = [active[j] for j in keep], pred[keep]
-        return [Draft(d) for d in drafts]
+        return [Draft(d, confs=c or None) for d, c in zip(drafts, confs, strict=True)]
 
     def _greedy_tokens(self, reqs: list[ProposeRequest], drafts: list[list[int]],
-                       out: tuple[torch.Tensor, torch.Tensor | None]) -> list[int]:
-        """Each row's greedy draft from a ``vocab_logits`` step (logits over the draft vocabulary and its ids): the
-        argmax, or for a grammar row whose grammar forbids it after the row's drafts (with grammar-aware
-        drafting on), the best token the grammar allows (``DraftSampler`` masks the same distribution)."""
+                       out: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[list[int], list[float]]:
+        """Each row's greedy draft from a ``vocab_logits`` step (logits over the draft vocabulary and its ids), and
+        its probability there (the draft's confidence): the argmax, or for a grammar row whose grammar forbids it
+        after the row's drafts (with grammar-aware drafting on), the best token the grammar allows
+        (``DraftSampler`` masks the same distribution)."""
         logits, vocab = out
         best = argmax_rows(logits)
         toks = (best if vocab is None else vocab[best]).tolist()
+        confs = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
         for j, r in enumerate(reqs):
             grammar = r.state.grammar
             if grammar is None or not self.sampler.grammar or \
@@ -173,8 +188,10 @@ class EagleProposer:
                 continue
             full = logits.new_full((1, self.sampler.vocab_size), float("-inf"))
             full[0, slice(None) if vocab is None else vocab] = logits[j]
-            toks[j] = row_argmax(DraftSampler.masked(full, [r], [drafts[j]]))[0]
-        return toks
+            masked = DraftSampler.masked(full, [r], [drafts[j]])
+            toks[j] = row_argmax(masked)[0]
+            confs[j] = float(torch.softmax(masked.float(), dim=-1).amax())
+        return toks, confs
 
     def _trees(self, reqs: list[ProposeRequest], top: tuple[torch.Tensor, torch.Tensor], pred: torch.Tensor,
                other_rows: int) -> list[Draft]:

@@ -8,6 +8,7 @@ distribution q (``[k, vocab]``), which exact rejection sampling needs. ``probs=N
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,6 +16,24 @@ import torch
 
 from specserve.sample.sampler import RequestSamplingState
 from specserve.spec_decode.state import Source, SpecState
+
+
+@dataclass(slots=True, frozen=True)
+class ChainStop:
+    """Where a greedy chain ends before its k drafts (``SpecController.chain_stop``). After each draft the
+    proposer multiplies the chain's path estimate by ``rate(confidence)`` (calibrated acceptance of a draft that
+    sure of itself); the draft is kept while the estimate is at least ``keep`` (a verification row's price in
+    expected tokens at the step's planned rate), and the chain goes on to the next draft only while it is at
+    least ``next`` (that row plus a draft step)."""
+
+    keep: float
+    next: float
+    rate: Callable[[float], float]
+
+    def more(self, path: float, conf: float) -> tuple[float, bool, bool]:
+        """(the path estimate with this draft, keep it, draft another)."""
+        path *= self.rate(conf)
+        return path, path >= self.keep, path >= self.next
 
 
 @dataclass(slots=True)
@@ -32,6 +51,7 @@ class ProposeRequest:
     slots: int = 0
     room: int = 0  # the most drafts the request has room for (max_tokens, context), set by the model runner
     spec: SpecState = field(default_factory=SpecState)  # the request's speculation state (spec_decode/state.py)
+    stop: ChainStop | None = None  # a greedy chain may end early (None: exactly k drafts)
 
 
 @dataclass(slots=True)
@@ -42,6 +62,7 @@ class Draft:
     # are candidates, verified by multi-draft rejection (``sample.rejection_sampler.verify_tree``): no q.
     parents: list[int] | None = None
     predicted: float = 0.0  # a tree: the sum of its nodes' draft path probabilities (expected accepted nodes)
+    confs: list[float] | None = None  # a greedy chain: each draft's probability under the draft (its confidence)
 
 
 def backlog(proposer: object, req: ProposeRequest, max_k: int) -> float:

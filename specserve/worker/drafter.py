@@ -234,8 +234,8 @@ class Drafter:
         state = self.states.get(req_id)
         if state is None:  # it never drafted
             return None
-        source, predicted = state.source, state.tree_predicted
-        state.source, state.tree_predicted = None, None
+        source, predicted, confs = state.source, state.tree_predicted, state.confs
+        state.source, state.tree_predicted, state.confs = None, None, None
         if self._router is not None:
             self._router.observe(state, source, num_draft, num_accepted)
         if source is None:
@@ -249,6 +249,8 @@ class Drafter:
                 self.controller.record_tree(predicted, num_accepted)
         else:
             self.controller.record_acceptance(req_id, num_draft, num_accepted, source)
+            if confs is not None and len(confs) == num_draft:
+                self.controller.record_confidence(source, confs, num_accepted)
         return source
 
     def propose(self, cands: list[ProposeRequest], draining: bool = False, hold: bool = False) -> dict[str, Draft]:
@@ -276,13 +278,18 @@ class Drafter:
                                   hold=hold and proposer.writes_kv)
         out: dict[str, Draft] = {}
         reqs, req_sources = [], []
+        stop = controller.chain_stop
         for c, k, source, f in zip(cands, ks, sources, forced):
             c.k = min(k, c.room)
+            c.stop = None
             if c.k < 1:
                 continue
+            if stop is not None and not f and source not in FREE_SOURCES and c.state.params.greedy:
+                # a greedy chain goes as deep as its confidence pays for (``SpecController.chain_stop``)
+                c.k, c.stop = min(controller.max_k, c.room), stop
             if f:
                 out[c.req_id] = Draft(self._grammar_draft(c, f))
-                c.spec.source = source
+                c.spec.source, c.spec.confs = source, None
                 continue
             # NOTE: lookup drafts read no features; they stay buffered for the model's next proposal.
             c.features = c.spec.features.take() if source not in FREE_SOURCES else None
@@ -307,10 +314,12 @@ class Drafter:
         for r, d, source in zip(reqs, drafts, req_sources):
             if use_grammar and r.state.grammar is not None and d.token_ids and d.parents is None:
                 n = r.state.grammar.valid_prefix(d.token_ids)
-                d = Draft(d.token_ids[:n], d.probs[:n] if d.probs is not None and n else None)
+                d = Draft(d.token_ids[:n], d.probs[:n] if d.probs is not None and n else None,
+                          confs=d.confs[:n] if d.confs is not None else None)
             if d.token_ids:
                 out[r.req_id] = d
                 r.spec.source = source
+                r.spec.confs = d.confs
                 if d.parents is not None:
                     r.spec.tree_predicted = d.predicted
         return out
