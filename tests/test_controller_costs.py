@@ -122,16 +122,19 @@ def test_a_step_carrying_a_prefill_gets_no_draft_model_steps_but_keeps_free_draf
     assert c.choose_ks(ids, sources=srcs) == [4, 4]
 
 
-def test_a_chain_stop_prices_a_row_and_a_draft_step_at_the_plans_rate():
-    """``chain_stop``: at the plan's predicted rate R (tokens/s), a draft is kept while its calibrated path
-    estimate is at least t_row R and the chain goes on while it is at least (t_row + t_draft) R; the
+def test_a_chain_stop_prices_each_row_and_a_draft_step_at_the_measured_rate():
+    """``chain_stop``: at the rate R the recent steps made (tokens/s), draft j is kept while its calibrated path
+    estimate is at least t_row(j) R, t_row(j) the measured price of its own verification row (a 9th row that
+    starts a second pass over the weights costs more than the 8th), and the chain goes on while it is at
+    least (t_row(j + 1) + t_draft) R; before any step was measured, R is the plan's predicted rate. The
     calibration by confidence starts at the raw confidence and moves to what verification measured."""
     from specserve.spec_decode.controller import SpecController
     from specserve.spec_decode.state import Source
 
     c = SpecController(5)
-    for n in range(1, 10):
-        c.record_target(n, 0.026 + 0.0044 * (n - 1))  # the 1.5B pair's costs: a step, a row
+    costs = {n: 0.026 + 0.0044 * (n - 1) for n in range(1, 6)} | {6: 0.058, 7: 0.0624}  # the 5th draft's row: dear
+    for n, t in costs.items():
+        c.record_target(n, t)
     c.record_draft(1, 0.001)  # a head's step
     for _ in range(20):
         c.record_acceptance("a", 2, 2)
@@ -139,19 +142,27 @@ def test_a_chain_stop_prices_a_row_and_a_draft_step_at_the_plans_rate():
     assert ks[0] >= 1
     stop = c.chain_stop
     assert stop is not None
-    gains = c.gains("a")
-    rate = (1 + sum(gains[:ks[0]])) / (0.026 + 0.0044 * ks[0] + 0.001 * ks[0])
-    assert stop.keep == pytest.approx(0.0044 * rate, rel=1e-6)
-    assert stop.next == pytest.approx(0.0054 * rate, rel=1e-6)
-    assert stop.rate(0.4) == pytest.approx(0.4)  # nothing measured: the raw confidence
+    k = ks[0]
+    predicted = (1 + sum(c.gains("a")[:k])) / (costs[1 + k] + 0.001 * k)
+    assert stop.rate == pytest.approx(predicted, rel=1e-6)  # nothing measured yet: the plan's rate
+    assert stop.rows == pytest.approx([0.0044] * 4 + [0.0144, 0.0044])
+    assert stop.draft == pytest.approx(0.001)
+    for _ in range(30):
+        c.record_step(3, 0.050)  # the server makes 60 tokens/s
+    stop = (c.choose_ks(["a"]), c.chain_stop)[1]
+    assert stop.rate == pytest.approx(60.0)
+    assert stop.accept(0.4) == pytest.approx(0.4)  # nothing measured: the raw confidence
+    # keep draft 0 from 0.0044 * 60 = 0.264, go on from (0.0044 + 0.001) * 60 = 0.324
+    assert stop.more(0, 1.0, 0.3) == (pytest.approx(0.3), True, False)
+    assert stop.more(0, 1.0, 0.25)[1:] == (False, False)
+    assert stop.more(0, 1.0, 0.33)[1:] == (True, True)
+    # the 5th draft's row costs 0.0144 s: worth 0.864 tokens at 60 tokens/s
+    assert stop.more(4, 1.0, 0.8)[1:] == (False, False) and stop.more(4, 1.0, 0.9)[1] is True
+    assert stop.more(3, 1.0, 0.8)[1:] == (True, False)  # the 4th is kept, but the 5th would not pay
     for _ in range(50):  # drafts of confidence 0.4 are accepted far more often than that
         c.record_confidence(Source.METHOD, [0.42, 0.41], 2)
     assert c.confidence_rate(Source.METHOD, 0.45) > 0.9
-    assert c.chain_stop.rate(0.45) > 0.9  # the step's stop reads the calibration as it is now
-    path, keep, more = stop.more(1.0, 0.95)
-    assert keep and more
-    path, keep, more = stop.more(path * 0.1, 0.5)
-    assert not keep and not more
+    assert stop.accept(0.45) > 0.9  # a step's stop reads the calibration as it is now
 
 
 def test_no_chain_stop_without_the_adaptive_plan_or_without_model_drafts():

@@ -240,7 +240,8 @@ def test_a_greedy_chain_ends_where_its_confidence_stops_paying(tmp_path, method)
     drafter.proposer.propose = propose
     ctl.choose_ks = choose
     ctl.record_confidence = lambda source, confs, n: recorded.append((list(confs), n)) or real_record(source, confs, n)
-    for stop, drafted in ((ChainStop(0.2, 0.3, lambda p: 0.5), 2), (ChainStop(0.6, 0.7, lambda p: 0.5), 0)):
+    half = lambda p: 0.5  # noqa: E731
+    for stop, drafted in ((ChainStop((0.2,) * 5, 0.1, 1.0, half), 2), (ChainStop((0.6,) * 5, 0.1, 1.0, half), 0)):
         chains.clear()
         recorded.clear()
         current.append(stop)

@@ -182,6 +182,8 @@ class SpecController:
         # Greedy chains: acceptance by the draft's confidence in its token, per source (``chain_stop``).
         self._confidence: dict[Source, ConfidenceBins] = {}
         self._chain_stop: ChainStop | None = None  # this step's, from ``choose_ks`` (None: chains run to k)
+        self._made = 0.0  # decayed tokens made and seconds spent by the recent steps (``record_step``)
+        self._spent = 0.0
         self._catch_up = 0.0  # seconds per token a draft spends catching up on a backlog (0: unmeasured)
         self._catch_samples: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of catch-up calls
 
@@ -239,16 +241,23 @@ class SpecController:
         bins = self._confidence.get(source)
         return p if bins is None else bins.rate(p, self.prior_weight)
 
+    def record_step(self, tokens: int, seconds: float) -> None:
+        """A step made ``tokens`` tokens in ``seconds`` (all of it: drafting, the target, sampling): the rate
+        a chain's next draft must beat (``chain_stop``), decayed over about ten steps."""
+        self._made = 0.9 * self._made + tokens
+        self._spent = 0.9 * self._spent + seconds
+
     @property
     def chain_stop(self) -> ChainStop | None:
         """Where this step's greedy chains of a model source end (``choose_ks`` sets it; None: at k).
 
         Draft j is worth its calibrated path estimate (the product of ``confidence_rate`` over drafts 1..j) in
-        expected tokens. At the plan's predicted rate R (tokens/s), a verification row costing t_row seconds
-        is worth keeping when that estimate is at least t_row R, and another draft step (t_draft) is worth
-        taking when it is at least (t_row + t_draft) R. So a chain runs as deep as the draft is sure of
-        itself, up to ``max_k``, and ends where it is not: the demo pair's head drafts past its average
-        position acceptance in a function's boilerplate and stops at a name it has to guess."""
+        expected tokens. At the rate R (tokens/s) the server makes, measured over the last steps, draft j is
+        kept while that estimate is at least t_row(j) R, t_row(j) = T_target(B + j) - T_target(B + j - 1) the
+        measured price of its verification row, and the chain goes on while the estimate is at least
+        (t_row(j + 1) + t_draft) R. So a chain runs as deep as the draft is sure of itself, up to ``max_k``,
+        and ends where it is not: the Qwen2.5-Coder head drafts deep through a function's boilerplate and stops
+        at a name it has to guess."""
         return self._chain_stop
 
     def _set_chain_stop(self, req_ids: list[str], sources: list[Source], other: int, ks: list[int],
@@ -258,17 +267,20 @@ class SpecController:
         self._chain_stop = None
         if not drafting:
             return
-        b, n = len(req_ids), sum(ks)
-        tokens = float(b) + sum(sum(self.gains(r, s)[:k]) for r, s, k in zip(req_ids, sources, ks) if k)
-        k_max = max((k for k, f in zip(ks, free) if not f), default=0)
-        extra = self._catch_up * sum(lag for lag, k, f in zip(backlog, ks, free) if k and not f)
-        rate = self._rate(b, other, n, tokens, k_max, drafting, extra)
-        t_n = self.target_cost.predict(other + b + n) or 0.0
-        t_row = max((self.target_cost.predict(other + b + n + 1) or 0.0) - t_n, 0.0)
-        t_draft = self.draft_cost.predict(drafting) or 0.0
+        b = len(req_ids)
+        rate = self._made / self._spent if self._spent > 0 else 0.0
+        if rate <= 0.0:  # no step measured yet: the plan's prediction
+            tokens = float(b) + sum(sum(self.gains(r, s)[:k]) for r, s, k in zip(req_ids, sources, ks) if k)
+            k_max = max((k for k, f in zip(ks, free) if not f), default=0)
+            extra = self._catch_up * sum(lag for lag, k, f in zip(backlog, ks, free) if k and not f)
+            rate = self._rate(b, other, sum(ks), tokens, k_max, drafting, extra)
         if rate <= 0.0:
             return
-        self._chain_stop = ChainStop(t_row * rate, (t_row + t_draft) * rate, lambda p: self.confidence_rate(source, p))
+        base = other + b
+        cost = [self.target_cost.predict(base + j) or 0.0 for j in range(self.max_k + 2)]
+        rows = tuple(max(cost[j + 1] - cost[j], 0.0) for j in range(self.max_k + 1))
+        self._chain_stop = ChainStop(rows, self.draft_cost.predict(drafting) or 0.0, rate,
+                                     lambda p: self.confidence_rate(source, p))
 
     def record_tree(self, predicted: float, accepted: int) -> None:
         """One verified tree: the sum of its nodes' draft path probabilities, and its accepted path's length."""

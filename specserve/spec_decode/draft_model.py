@@ -150,7 +150,7 @@ def draft_chain(reqs: list[ProposeRequest], logits: torch.Tensor, sampler: Draft
             stop = reqs[i].stop
             if conf is not None and reqs[i].state.params.greedy:
                 if stop is not None:
-                    paths[i], keep, more = stop.more(paths[i], conf[j])
+                    paths[i], keep, more = stop.more(len(drafts[i]), paths[i], conf[j])
                     if not keep:
                         continue
                 confs[i].append(conf[j])

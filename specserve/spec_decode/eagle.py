@@ -155,7 +155,7 @@ class EagleProposer:
             for j, i in enumerate(active):
                 more, stop = True, reqs[i].stop
                 if stop is not None:
-                    paths[i], kept, more = stop.more(paths[i], conf[j])
+                    paths[i], kept, more = stop.more(len(drafts[i]), paths[i], conf[j])
                     if not kept:
                         continue
                 drafts[i].append(toks[j])

@@ -21,19 +21,23 @@ from specserve.spec_decode.state import Source, SpecState
 @dataclass(slots=True, frozen=True)
 class ChainStop:
     """Where a greedy chain ends before its k drafts (``SpecController.chain_stop``). After each draft the
-    proposer multiplies the chain's path estimate by ``rate(confidence)`` (calibrated acceptance of a draft that
-    sure of itself); the draft is kept while the estimate is at least ``keep`` (a verification row's price in
-    expected tokens at the step's planned rate), and the chain goes on to the next draft only while it is at
-    least ``next`` (that row plus a draft step)."""
+    proposer multiplies the chain's path estimate by ``accept(confidence)`` (the calibrated acceptance of a
+    draft that sure of itself). At ``rate`` tokens/s, draft j is kept while the estimate pays for its
+    verification row (``rows[j]`` seconds) and the chain goes on while it would pay for the next row and a
+    draft step (``draft`` seconds)."""
 
-    keep: float
-    next: float
-    rate: Callable[[float], float]
+    rows: tuple[float, ...]  # seconds the verification row of draft j (0-based) adds to the step
+    draft: float  # seconds of a draft step
+    rate: float  # tokens/s the server makes
+    accept: Callable[[float], float]
 
-    def more(self, path: float, conf: float) -> tuple[float, bool, bool]:
-        """(the path estimate with this draft, keep it, draft another)."""
-        path *= self.rate(conf)
-        return path, path >= self.keep, path >= self.next
+    def more(self, j: int, path: float, conf: float) -> tuple[float, bool, bool]:
+        """Draft j (0-based), of confidence ``conf``, after a chain whose estimate is ``path``: (the estimate
+        with it, keep it, draft another)."""
+        path *= self.accept(conf)
+        last = len(self.rows) - 1
+        keep = path >= self.rows[min(j, last)] * self.rate
+        return path, keep, keep and path >= (self.rows[min(j + 1, last)] + self.draft) * self.rate
 
 
 @dataclass(slots=True)

@@ -227,6 +227,10 @@ class Drafter:
         """One target step's cost (the runner skips steps that captured a graph)."""
         self.controller.record_target(num_tokens, seconds)
 
+    def record_step(self, tokens: int, seconds: float) -> None:
+        """A whole step (target, sampling, the next drafts) made ``tokens`` tokens in ``seconds``."""
+        self.controller.record_step(tokens, seconds)
+
     def record_acceptance(self, req_id: str, num_draft: int, num_accepted: int,
                           parents: tuple[int, ...] | None = None) -> Source | None:
         """One verification: ``num_accepted`` of ``num_draft`` drafts (a tree: its nodes, ``parents``), for the

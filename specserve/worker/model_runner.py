@@ -368,6 +368,8 @@ class ModelRunner:
             sink_features(rows, sampled, prenorm, sink)
         spec_token_ids, spec_parents = self._propose(sample_rows, emitted, so) if drafter is not None \
             else ({}, {})
+        if drafter is not None and drafter.num_captures() == captures:
+            drafter.record_step(sum(len(em) for em in emitted), time.perf_counter() - t0)
         return ModelRunnerOutput(sampled, spec_token_ids, logprobs, spec_parents, sources, prompt_logprobs)
 
     def _prompt_scores(self, rows: list[ScheduledRequest]
