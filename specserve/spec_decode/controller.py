@@ -367,7 +367,7 @@ class SpecController:
                 ks[lag.index(min(lag))] = self.max_k
         else:
             planned = remaining is None or len(req_ids) == 1
-            ks = self._best(req_ids, srcs, other_tokens, lag) if planned \
+            ks = self._best(req_ids, srcs, other_tokens, lag) if remaining is None or len(req_ids) == 1 \
                 else self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
             unseen = [i for i, s in enumerate(srcs) if s not in self._global]
             if unseen and not any(ks):
