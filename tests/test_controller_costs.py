@@ -122,12 +122,13 @@ def test_a_step_carrying_a_prefill_gets_no_draft_model_steps_but_keeps_free_draf
     assert c.choose_ks(ids, sources=srcs) == [4, 4]
 
 
-def test_a_chain_stop_prices_each_row_and_a_draft_step_at_the_measured_rate():
+def test_a_chain_stop_prices_rows_and_a_draft_step_at_the_measured_rate():
     """``chain_stop``: at the rate R the recent steps made (tokens/s), draft j is kept while its calibrated path
-    estimate is at least t_row(j) R, t_row(j) the measured price of its own verification row (a 9th row that
-    starts a second pass over the weights costs more than the 8th), and the chain goes on while it is at
-    least (t_row(j + 1) + t_draft) R; before any step was measured, R is the plan's predicted rate. The
-    calibration by confidence starts at the raw confidence and moves to what verification measured."""
+    estimate is at least t_row(j) R, t_row(j) = (T(B + j) - T(B)) / j the measured price of a row in a chain
+    that long (one dear count -- noise, or a second pass over the weights -- moves it by its share), and the
+    chain goes on while it is at least (t_row(j + 1) + t_draft) R; before any step was measured, R is the
+    plan's predicted rate. The calibration by confidence starts at the raw confidence and moves to what
+    verification measured."""
     from specserve.spec_decode.controller import SpecController
     from specserve.spec_decode.state import Source
 
@@ -145,7 +146,7 @@ def test_a_chain_stop_prices_each_row_and_a_draft_step_at_the_measured_rate():
     k = ks[0]
     predicted = (1 + sum(c.gains("a")[:k])) / (costs[1 + k] + 0.001 * k)
     assert stop.rate == pytest.approx(predicted, rel=1e-6)  # nothing measured yet: the plan's rate
-    assert stop.rows == pytest.approx([0.0044] * 4 + [0.0144, 0.0044])
+    assert stop.rows == pytest.approx([0.0044] * 4 + [0.032 / 5, 0.0364 / 6])
     assert stop.draft == pytest.approx(0.001)
     for _ in range(30):
         c.record_step(3, 0.050)  # the server makes 60 tokens/s
@@ -156,9 +157,9 @@ def test_a_chain_stop_prices_each_row_and_a_draft_step_at_the_measured_rate():
     assert stop.more(0, 1.0, 0.3) == (pytest.approx(0.3), True, False)
     assert stop.more(0, 1.0, 0.25)[1:] == (False, False)
     assert stop.more(0, 1.0, 0.33)[1:] == (True, True)
-    # the 5th draft's row costs 0.0144 s: worth 0.864 tokens at 60 tokens/s
-    assert stop.more(4, 1.0, 0.8)[1:] == (False, False) and stop.more(4, 1.0, 0.9)[1] is True
-    assert stop.more(3, 1.0, 0.8)[1:] == (True, False)  # the 4th is kept, but the 5th would not pay
+    # a chain of 5 pays 6.4 ms a row: its 5th draft is worth keeping from 0.384 tokens at 60 tokens/s
+    assert stop.more(4, 1.0, 0.38)[1:] == (False, False) and stop.more(4, 1.0, 0.39)[1] is True
+    assert stop.more(3, 1.0, 0.4)[1:] == (True, False)  # the 4th is kept, but a 5th would not pay (0.444)
     for _ in range(50):  # drafts of confidence 0.4 are accepted far more often than that
         c.record_confidence(Source.METHOD, [0.42, 0.41], 2)
     assert c.confidence_rate(Source.METHOD, 0.45) > 0.9

@@ -253,9 +253,9 @@ class SpecController:
 
         Draft j is worth its calibrated path estimate (the product of ``confidence_rate`` over drafts 1..j) in
         expected tokens. At the rate R (tokens/s) the server makes, measured over the last steps, draft j is
-        kept while that estimate is at least t_row(j) R, t_row(j) = T_target(B + j) - T_target(B + j - 1) the
-        measured price of its verification row, and the chain goes on while the estimate is at least
-        (t_row(j + 1) + t_draft) R. So a chain runs as deep as the draft is sure of itself, up to ``max_k``,
+        kept while that estimate is at least t_row(j) R, t_row(j) = (T_target(B + j) - T_target(B)) / j the
+        measured price of a verification row in a chain that long, and the chain goes on while the estimate
+        is at least (t_row(j + 1) + t_draft) R. So a chain runs as deep as the draft is sure of itself, up to ``max_k``,
         and ends where it is not: the Qwen2.5-Coder head drafts deep through a function's boilerplate and stops
         at a name it has to guess."""
         return self._chain_stop
@@ -278,7 +278,9 @@ class SpecController:
             return
         base = other + b
         cost = [self.target_cost.predict(base + j) or 0.0 for j in range(self.max_k + 2)]
-        rows = tuple(max(cost[j + 1] - cost[j], 0.0) for j in range(self.max_k + 1))
+        # a chain of j + 1 drafts pays T(B + j + 1) - T(B): each of its rows at that average, which one noisy
+        # table entry moves little (a chain that stops short never re-measures the counts past it)
+        rows = tuple(max(cost[j + 1] - cost[0], 0.0) / (j + 1) for j in range(self.max_k + 1))
         self._chain_stop = ChainStop(rows, self.draft_cost.predict(drafting) or 0.0, rate,
                                      lambda p: self.confidence_rate(source, p))
 

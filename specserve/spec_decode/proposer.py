@@ -22,11 +22,11 @@ from specserve.spec_decode.state import Source, SpecState
 class ChainStop:
     """Where a greedy chain ends before its k drafts (``SpecController.chain_stop``). After each draft the
     proposer multiplies the chain's path estimate by ``accept(confidence)`` (the calibrated acceptance of a
-    draft that sure of itself). At ``rate`` tokens/s, draft j is kept while the estimate pays for its
+    draft that sure of itself). At ``rate`` tokens/s, draft j is kept while the estimate pays for a
     verification row (``rows[j]`` seconds) and the chain goes on while it would pay for the next row and a
     draft step (``draft`` seconds)."""
 
-    rows: tuple[float, ...]  # seconds the verification row of draft j (0-based) adds to the step
+    rows: tuple[float, ...]  # seconds a verification row costs in a chain of j + 1 drafts (j 0-based)
     draft: float  # seconds of a draft step
     rate: float  # tokens/s the server makes
     accept: Callable[[float], float]
