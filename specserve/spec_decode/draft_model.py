@@ -18,7 +18,7 @@ import torch
 
 from specserve.sample.grammar import apply_grammar, bitmask_words
 from specserve.sample.sampler import argmax_rows, process_logits, row_argmax
-from specserve.spec_decode.proposer import Draft, ProposeRequest
+from specserve.spec_decode.proposer import Chains, Draft, ProposeRequest
 from specserve.spec_decode.state import Source
 
 # (tokens to feed per request, start position per request, block ids per request, each request's extra
@@ -135,10 +135,9 @@ def draft_chain(reqs: list[ProposeRequest], logits: torch.Tensor, sampler: Draft
     """Autoregressive drafting shared by the draft-model and EAGLE proposers: sample a draft per request
     from ``logits`` [B, V], feed it back through ``advance``, until each request has its ``k`` drafts, or (a
     greedy request with ``stop``) until its chain is no longer worth a row (``ChainStop``)."""
-    drafts: list[list[int]] = [[] for _ in reqs]
+    chains = Chains(reqs)
+    drafts = chains.drafts
     probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-    confs: list[list[float]] = [[] for _ in reqs]
-    paths = [1.0] * len(reqs)
     want = any(r.stop is not None and r.state.params.greedy for r in reqs)
     active = list(range(len(reqs)))
     while True:
@@ -146,26 +145,19 @@ def draft_chain(reqs: list[ProposeRequest], logits: torch.Tensor, sampler: Draft
                                                        [drafts[i] for i in active], want)
         rows = []
         for j, i in enumerate(active):
-            more = True
-            stop = reqs[i].stop
-            if conf is not None and reqs[i].state.params.greedy:
-                if stop is not None:
-                    paths[i], keep, more = stop.more(len(drafts[i]), paths[i], conf[j])
-                    if not keep:
-                        continue
-                confs[i].append(conf[j])
-            drafts[i].append(toks[j])
-            if q is not None and not reqs[i].state.params.greedy:
+            greedy = reqs[i].state.params.greedy
+            go = chains.add(i, toks[j], conf[j] if conf is not None and greedy else None)
+            if q is not None and not greedy:  # (a draft without a confidence was not dropped)
                 probs[i].append(q[j])
-            if more and len(drafts[i]) < reqs[i].k:
+            if go:
                 rows.append(j)
         active = [active[j] for j in rows]
         if not active:
             break
         logits = advance(rows, active, [drafts[i][-1] for i in active],
                          [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active])
-    return [Draft(d, torch.stack(p) if p else None, confs=c if c and len(c) == len(d) else None)
-            for d, p, c in zip(drafts, probs, confs, strict=True)]
+    return [Draft(d, torch.stack(p) if p else None, confs=chains.confs_of(i))
+            for i, (d, p) in enumerate(zip(drafts, probs, strict=True))]
 
 
 class DraftSampler:

@@ -39,7 +39,7 @@ import torch
 
 from specserve.sample.sampler import RequestSamplingState, argmax_rows, row_argmax
 from specserve.spec_decode.draft_model import DraftSampler, draft_chain
-from specserve.spec_decode.proposer import Draft, ProposeRequest
+from specserve.spec_decode.proposer import Chains, Draft, ProposeRequest
 from specserve.spec_decode.state import Source
 
 if TYPE_CHECKING:
@@ -145,23 +145,12 @@ class EagleProposer:
         """Chains for greedy requests without logits processing (``plain_greedy``) from the head's first
         ``vocab_logits`` step ``out``: each draft is the argmax over the head's draft vocabulary
         (``_greedy_tokens``); a request with ``stop`` ends its chain where it stops paying (``ChainStop``)."""
-        drafts: list[list[int]] = [[] for _ in reqs]
-        confs: list[list[float]] = [[] for _ in reqs]
-        paths = [1.0] * len(reqs)
+        chains = Chains(reqs)
+        drafts = chains.drafts
         active = list(range(len(reqs)))
         while True:
             toks, conf = self._greedy_tokens([reqs[i] for i in active], [drafts[i] for i in active], out)
-            keep = []
-            for j, i in enumerate(active):
-                more, stop = True, reqs[i].stop
-                if stop is not None:
-                    paths[i], kept, more = stop.more(len(drafts[i]), paths[i], conf[j])
-                    if not kept:
-                        continue
-                drafts[i].append(toks[j])
-                confs[i].append(conf[j])
-                if more and len(drafts[i]) < reqs[i].k:
-                    keep.append(j)
+            keep = [j for j, i in enumerate(active) if chains.add(i, toks[j], conf[j])]
             if len(keep) < len(active):
                 active, pred = [active[j] for j in keep], pred[keep]
             if not active:
@@ -169,7 +158,7 @@ class EagleProposer:
             out, pred = self.steps.vocab_logits([[drafts[i][-1]] for i in active], pred,
                                                 [len(reqs[i].token_ids) + len(drafts[i]) - 1 for i in active],
                                                 [reqs[i].block_ids for i in active])
-        return [Draft(d, confs=c or None) for d, c in zip(drafts, confs, strict=True)]
+        return [Draft(d, confs=chains.confs_of(i)) for i, d in enumerate(drafts)]
 
     def _greedy_tokens(self, reqs: list[ProposeRequest], drafts: list[list[int]],
                        out: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[list[int], list[float]]:

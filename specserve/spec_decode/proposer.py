@@ -40,6 +40,34 @@ class ChainStop:
         return path, keep, keep and path >= (self.rows[min(j + 1, last)] + self.draft) * self.rate
 
 
+class Chains:
+    """The chains of one proposal as they grow: per request its drafts, their confidences and its path estimate
+    (``ChainStop``)."""
+
+    def __init__(self, reqs: list[ProposeRequest]) -> None:
+        self.reqs = reqs
+        self.drafts: list[list[int]] = [[] for _ in reqs]
+        self.confs: list[list[float]] = [[] for _ in reqs]
+        self.paths = [1.0] * len(reqs)
+
+    def add(self, i: int, tok: int, conf: float | None) -> bool:
+        """Request i's next draft (``conf``: its confidence, None where it has none), unless the request's stop
+        drops it; whether the chain goes on. A draft without a confidence is never dropped."""
+        r, more = self.reqs[i], True
+        if conf is not None:
+            if r.stop is not None:
+                self.paths[i], keep, more = r.stop.more(len(self.drafts[i]), self.paths[i], conf)
+                if not keep:
+                    return False
+            self.confs[i].append(conf)
+        self.drafts[i].append(tok)
+        return more and len(self.drafts[i]) < r.k
+
+    def confs_of(self, i: int) -> list[float] | None:
+        c = self.confs[i]
+        return c if c and len(c) == len(self.drafts[i]) else None
+
+
 @dataclass(slots=True)
 class ProposeRequest:
     req_id: str
