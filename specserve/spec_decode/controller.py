@@ -369,8 +369,10 @@ class SpecController:
                 ks[lag.index(min(lag))] = self.max_k
         else:
             planned = remaining is None or len(req_ids) == 1
-            ks = self._best(req_ids, srcs, other_tokens, lag) if remaining is None or len(req_ids) == 1 \
-                else self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
+            if remaining is None or planned:
+                ks = self._best(req_ids, srcs, other_tokens, lag)
+            else:
+                ks = self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
             unseen = [i for i, s in enumerate(srcs) if s not in self._global]
             if unseen and not any(ks):
                 # A source never verified yet is priced at the prior (0.6, then falling), which a draft model's

@@ -161,15 +161,17 @@ class EagleProposer:
         return [Draft(d, confs=chains.confs_of(i)) for i, d in enumerate(drafts)]
 
     def _greedy_tokens(self, reqs: list[ProposeRequest], drafts: list[list[int]],
-                       out: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[list[int], list[float]]:
+                       out: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[list[int], list[float | None]]:
         """Each row's greedy draft from a ``vocab_logits`` step (logits over the draft vocabulary and its ids), and
-        its probability there (the draft's confidence): the argmax, or for a grammar row whose grammar forbids it
+        its probability there (the draft's confidence, where a request has a ``stop``): the argmax, or for a grammar row whose grammar forbids it
         after the row's drafts (with grammar-aware drafting on), the best token the grammar allows
         (``DraftSampler`` masks the same distribution)."""
         logits, vocab = out
         best = argmax_rows(logits)
         toks = (best if vocab is None else vocab[best]).tolist()
-        confs = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
+        want = any(r.stop is not None for r in reqs)  # confidences only where a chain may stop on them
+        confs: list[float | None] = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist() if want \
+            else [None] * len(reqs)
         for j, r in enumerate(reqs):
             grammar = r.state.grammar
             if grammar is None or not self.sampler.grammar or \
@@ -179,7 +181,8 @@ class EagleProposer:
             full[0, slice(None) if vocab is None else vocab] = logits[j]
             masked = DraftSampler.masked(full, [r], [drafts[j]])
             toks[j] = row_argmax(masked)[0]
-            confs[j] = float(torch.softmax(masked.float(), dim=-1).amax())
+            if want:
+                confs[j] = float(torch.softmax(masked.float(), dim=-1).amax())
         return toks, confs
 
     def _trees(self, reqs: list[ProposeRequest], top: tuple[torch.Tensor, torch.Tensor], pred: torch.Tensor,

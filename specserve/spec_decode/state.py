@@ -59,7 +59,7 @@ class ConfidenceBins:
     """Decayed counts of (accepted, tried) by the draft's own probability of its token (its confidence), for
     greedy chains: ``rate(p)`` = P(a draft of confidence p is accepted | the drafts before it were), each bin's
     counts over the raw confidence as prior (``weight`` pseudo-observations). A head or draft model that is
-    sure of a token is accepted far more often than one that is not (the demo pair's head: 0.15 below 0.3,
+    sure of a token is accepted far more often than one that is not (the Qwen2.5-Coder head: 0.15 below 0.3,
     0.92 above 0.95), which a chain's length can follow (``ChainStop``)."""
 
     __slots__ = ("acc", "tried")
