@@ -166,6 +166,30 @@ def test_a_chain_stop_prices_rows_and_a_draft_step_at_the_measured_rate():
     assert stop.accept(0.45) > 0.9  # a step's stop reads the calibration as it is now
 
 
+def test_a_batch_of_chains_is_priced_where_their_rows_together_take_the_step():
+    """In a batch, every drafting chain adds its rows to the same step: with 4 chains j + 1 drafts deep the
+    step has 4 (j + 1) rows more, so a row costs (T(B + 4 (j + 1)) - T(B)) / (4 (j + 1)), and rows dearer
+    past 8 (a compute-bound kernel's second pass) raise the price of the second draft already, where one
+    chain alone would not reach them."""
+    from specserve.spec_decode.controller import SpecController
+
+    c = SpecController(5)
+    for n in range(1, 29):
+        c.record_target(n, 0.040 + 0.002 * min(n, 8) + 0.006 * max(n - 8, 0))
+    c.record_draft(4, 0.001)
+    reqs = ["a", "b", "c", "d"]
+    for r in reqs:
+        for _ in range(20):
+            c.record_acceptance(r, 2, 2)
+    ks = c.choose_ks(reqs)
+    assert all(k >= 1 for k in ks)
+    stop = c.chain_stop
+    assert stop is not None
+    assert stop.rows[0] == pytest.approx(0.002)  # rows 5-8: 2 ms each
+    assert stop.rows[1] == pytest.approx((4 * 0.002 + 4 * 0.006) / 8)  # rows 9-12 cost 6 ms each
+    assert stop.rows[4] == pytest.approx((4 * 0.002 + 16 * 0.006) / 20)
+
+
 def test_no_chain_stop_without_the_adaptive_plan_or_without_model_drafts():
     from specserve.spec_decode.controller import SpecController
     from specserve.spec_decode.state import Source

@@ -276,11 +276,14 @@ class SpecController:
             rate = self._rate(b, other, sum(ks), tokens, k_max, drafting, extra)
         if rate <= 0.0:
             return
-        base = other + b
-        cost = [self.target_cost.predict(base + j) or 0.0 for j in range(self.max_k + 2)]
-        # a chain of j + 1 drafts pays T(B + j + 1) - T(B): each of its rows at that average, which one noisy
-        # table entry moves little (a chain that stops short never re-measures the counts past it)
-        rows = tuple(max(cost[j + 1] - cost[0], 0.0) / (j + 1) for j in range(self.max_k + 1))
+        # the step's rows without the chains: one per request, the other tokens, and free (lookup) drafts
+        base = other + b + sum(k for k, f in zip(ks, free) if f)
+        t0 = self.target_cost.predict(base) or 0.0
+        # every drafting chain j + 1 drafts deep adds drafting * (j + 1) rows: each row at that average, so a
+        # batch's chains are priced where their rows together take the step (compute-bound past a few rows),
+        # and one noisy table entry moves the price little (a chain that stops short never re-measures past it)
+        rows = tuple(max((self.target_cost.predict(base + drafting * (j + 1)) or 0.0) - t0, 0.0) / (drafting * (j + 1))
+                     for j in range(self.max_k + 1))
         self._chain_stop = ChainStop(rows, self.draft_cost.predict(drafting) or 0.0, rate,
                                      lambda p: self.confidence_rate(source, p))
 

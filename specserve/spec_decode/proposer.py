@@ -26,7 +26,7 @@ class ChainStop:
     verification row (``rows[j]`` seconds) and the chain goes on while it would pay for the next row and a
     draft step (``draft`` seconds)."""
 
-    rows: tuple[float, ...]  # seconds a verification row costs in a chain of j + 1 drafts (j 0-based)
+    rows: tuple[float, ...]  # seconds a verification row costs when the step's chains are j + 1 drafts deep
     draft: float  # seconds of a draft step
     rate: float  # tokens/s the server makes
     accept: Callable[[float], float]
