@@ -123,12 +123,12 @@ def test_a_step_carrying_a_prefill_gets_no_draft_model_steps_but_keeps_free_draf
 
 
 def test_a_chain_stop_prices_rows_and_a_draft_step_at_the_measured_rate():
-    """``chain_stop`` (one request): at the rate R the recent steps made (tokens/s), draft j is kept while its calibrated path
-    estimate is at least t_row(j) R, t_row(j) = (T(B + j) - T(B)) / j the measured price of a row in a chain
-    that long (one dear count -- noise, or a second pass over the weights -- moves it by its share), and the
-    chain goes on while it is at least (t_row(j + 1) + t_draft) R; before any step was measured, R is the
-    plan's predicted rate. The calibration by confidence starts at the raw confidence and moves to what
-    verification measured."""
+    """``chain_stop`` (one request): at the rate R the recent steps made (tokens/s), draft j is kept while its
+    calibrated path estimate is at least t_row(j) R, t_row(j) = (T(B + j) - T(B)) / j the measured price of a
+    row in a chain that long (one dear count -- noise, or a second pass over the weights -- moves it by its
+    share), and the chain goes on while it is at least (t_row(j + 1) + t_draft) R; before any step was
+    measured, R is the plan's predicted rate. The calibration by confidence starts at the raw confidence and
+    moves to what verification measured."""
     from specserve.spec_decode.controller import SpecController
     from specserve.spec_decode.state import Source
 

@@ -253,11 +253,11 @@ class SpecController:
 
         Draft j is worth its calibrated path estimate (the product of ``confidence_rate`` over drafts 1..j) in
         expected tokens. At the rate R (tokens/s) the server makes, measured over the last steps, draft j is
-        kept while that estimate is at least t_row(j) R, t_row(j) = (T_target(B + j) - T_target(B)) / j the
-        measured price of a verification row in a chain that long, and the chain goes on while the estimate
-        is at least (t_row(j + 1) + t_draft) R. So a chain runs as deep as the draft is sure of itself, up to ``max_k``,
-        and ends where it is not: the Qwen2.5-Coder head drafts deep through a function's boilerplate and stops
-        at a name it has to guess."""
+        kept while that estimate is at least t_row(j) R, t_row(j) = (T_target(B + nj) - T_target(B)) / nj the
+        measured price of a verification row when the step's n drafting chains are j deep, and the chain goes
+        on while the estimate is at least (t_row(j + 1) + t_draft) R. So a chain runs as deep as the draft is
+        sure of itself, up to ``max_k``, and ends where it is not: the Qwen2.5-Coder head drafts deep through
+        a function's boilerplate and stops at a name it has to guess."""
         return self._chain_stop
 
     def _set_chain_stop(self, req_ids: list[str], sources: list[Source], other: int, ks: list[int],
@@ -282,8 +282,8 @@ class SpecController:
         # every drafting chain j + 1 drafts deep adds drafting * (j + 1) rows: each row at that average, so a
         # batch's chains are priced where their rows together take the step (compute-bound past a few rows),
         # and one noisy table entry moves the price little (a chain that stops short never re-measures past it)
-        rows = tuple(max((self.target_cost.predict(base + drafting * (j + 1)) or 0.0) - t0, 0.0) / (drafting * (j + 1))
-                     for j in range(self.max_k + 1))
+        added = [drafting * (j + 1) for j in range(self.max_k + 1)]
+        rows = tuple(max((self.target_cost.predict(base + n) or 0.0) - t0, 0.0) / n for n in added)
         self._chain_stop = ChainStop(rows, self.draft_cost.predict(drafting) or 0.0, rate,
                                      lambda p: self.confidence_rate(source, p))
 

@@ -163,9 +163,9 @@ class EagleProposer:
     def _greedy_tokens(self, reqs: list[ProposeRequest], drafts: list[list[int]],
                        out: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[list[int], list[float | None]]:
         """Each row's greedy draft from a ``vocab_logits`` step (logits over the draft vocabulary and its ids), and
-        its probability there (the draft's confidence, where a request has a ``stop``): the argmax, or for a grammar row whose grammar forbids it
-        after the row's drafts (with grammar-aware drafting on), the best token the grammar allows
-        (``DraftSampler`` masks the same distribution)."""
+        its probability there (the draft's confidence, where a request has a ``stop``): the argmax, or for a
+        grammar row whose grammar forbids it after the row's drafts (with grammar-aware drafting on), the best
+        token the grammar allows (``DraftSampler`` masks the same distribution)."""
         logits, vocab = out
         best = argmax_rows(logits)
         toks = (best if vocab is None else vocab[best]).tolist()
