@@ -38,8 +38,9 @@ def test_placeholder_rows_fit_their_blocks_and_the_vocabulary():
     target, draft = Recorder(), Recorder()
     cal = calibrate(target, draft, max_k=4, max_seqs=8, num_blocks=40, block_size=16, max_model_len=300,
                     vocab_size=100, budget_s=60.0)
-    assert [n for n, _ in cal.target][:5] == [1, 2, 3, 4, 5]
-    assert [b for b, _ in cal.draft] == [1, 2, 4, 8]
+    counts = target_counts(4, 8)
+    assert [n for n, _ in cal.target] == counts + counts  # every count twice: a second pass as budget allows
+    assert [b for b, _ in cal.draft] == [1, 2, 4, 8] * 2
     assert [n for n, _ in cal.catch_up] == [n for n in CATCH_UP if n <= 300]
     assert all(s >= 0 for _, s in cal.target + cal.draft + cal.catch_up)
     for toks, starts, blocks in target.calls + draft.calls:
@@ -64,8 +65,8 @@ def test_budget_zero_takes_no_samples_and_a_capture_is_repeated():
     target = Recorder()
     cal = calibrate(target, None, max_k=1, max_seqs=1, num_blocks=8, block_size=16, max_model_len=64,
                     vocab_size=50, budget_s=60.0, captures=lambda: next(captured))
-    assert [n for n, _ in cal.target] == [1, 2]
-    assert len(target.calls) == 1 + 1 + 2  # the warm-up, the capturing call, then the two samples
+    assert [n for n, _ in cal.target] == [1, 2, 1, 2]
+    assert len(target.calls) == 1 + 1 + 4  # the warm-up, the capturing call, then the four samples
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -43,8 +44,15 @@ def ideal_speedup(alpha: float, k: int, c: float) -> float:
 
 
 class StepCost:
-    """Measured step time by token count: a small table (mean of the recent samples per exact count),
-    interpolated between measured counts and extrapolated linearly past the largest ones.
+    """Measured step time by token count: a small table of the recent samples per exact count, interpolated
+    between measured counts and extrapolated linearly past the largest ones.
+
+    A count's time is the median of its recent samples, or their least while it has fewer than three. A count
+    is never priced above a larger count's time (the table is read through its running minimum from the
+    largest count down). Both err toward the cheaper reading, on purpose: the controller only measures the
+    counts it plans, so a count priced too high by one slow sample (a noisy neighbour, a page fault during
+    start-up calibration) would never be planned, hence never measured again, while one priced too low is
+    planned and its next samples correct it.
 
     NOTE: a straight-line fit over all steps is dominated by prefill-sized counts and mispredicts the
     small decode/verify counts the controller compares; a table measures exactly those.
@@ -53,7 +61,8 @@ class StepCost:
     def __init__(self, per_count: int = 16) -> None:
         self.per_count = per_count
         self._samples: dict[int, deque[float]] = {}
-        self._mean: dict[int, float] = {}
+        self._stat: dict[int, float] = {}  # per count: median (least below 3 samples) of its samples
+        self._time: dict[int, float] = {}  # per count: the time predicted (``_stat`` through the running minimum)
         self._keys: list[int] = []  # sorted measured counts
         # Predictions since the last sample: a step's decision asks for the same few counts thousands of times.
         self._memo: dict[float, float] = {}
@@ -65,7 +74,12 @@ class StepCost:
             q = self._samples[tokens] = deque(maxlen=self.per_count)
             bisect.insort(self._keys, tokens)
         q.append(seconds)
-        self._mean[tokens] = sum(q) / len(q)
+        self._stat[tokens] = min(q) if len(q) < 3 else statistics.median(q)
+        # the running minimum from the largest count down: no count above a larger one
+        low = math.inf
+        for n in reversed(self._keys):
+            low = min(low, self._stat[n])
+            self._time[n] = low
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._samples.values())
@@ -87,17 +101,17 @@ class StepCost:
     def _interpolate(self, keys: list[int], tokens: float) -> float:
         i = bisect.bisect_left(keys, tokens)
         if i < len(keys) and keys[i] == tokens:
-            return self._mean[keys[i]]
+            return self._time[keys[i]]
         if i == 0:  # below every measurement: the smallest measured count (costs only grow with tokens)
-            return self._mean[keys[0]]
+            return self._time[keys[0]]
         if i == len(keys):  # above: extend the slope of the two largest measurements (never negative)
             if len(keys) == 1:
-                return self._mean[keys[0]]
+                return self._time[keys[0]]
             x0, x1 = keys[-2], keys[-1]
-            y0, y1 = self._mean[x0], self._mean[x1]
+            y0, y1 = self._time[x0], self._time[x1]
             return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (tokens - x1)
         x0, x1 = keys[i - 1], keys[i]
-        y0, y1 = self._mean[x0], self._mean[x1]
+        y0, y1 = self._time[x0], self._time[x1]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
