@@ -111,9 +111,12 @@ def calibrate(target: Step, draft: Step | None, *, max_k: int, max_seqs: int, nu
         # the draft's batches right after the single-request verifications: the first plans need both
         plan[max_k + 1:max_k + 1] = [("draft", b) for b in draft_batches(max_seqs)] + \
             [("catch_up", n) for n in CATCH_UP if n <= max_model_len]
-    # Then every step again, as the budget allows: one slow sample (another process, a page fault) would
-    # otherwise price its count for good; the cost table takes the lesser of two (``StepCost``).
-    plan += [p for p in plan if p[0] != "catch_up"]
+    # Every step is timed twice, as the budget allows: one slow sample (another process, a page fault) would
+    # otherwise price its count for good; the cost table takes the lesser of two (``StepCost``). The second
+    # samples of a single request's decode and verifications come before the batches' first ones.
+    again = [p for p in plan if p[0] != "catch_up"]
+    plan[:0] = plan[:max_k + 1]
+    plan += again[max_k + 1:]
     warmed: set[str] = set()
     for kind, n in plan:
         if not left():
