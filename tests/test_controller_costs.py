@@ -2,7 +2,7 @@
 
 import pytest
 
-from specserve.spec_decode.controller import catch_up_slope
+from specserve.spec_decode.controller import StepCost, catch_up_slope
 
 
 def test_catch_up_price_is_the_slope_not_the_fixed_cost_spread_over_few_tokens():
@@ -135,7 +135,8 @@ def test_a_chain_stop_prices_rows_and_a_draft_step_at_the_measured_rate():
     c = SpecController(5)
     costs = {n: 0.026 + 0.0044 * (n - 1) for n in range(1, 6)} | {6: 0.058, 7: 0.0624}  # the 5th draft's row: dear
     for n, t in costs.items():
-        c.record_target(n, t)
+        for _ in range(StepCost.CONFIRMED):  # measured often enough to be a real step in the costs
+            c.record_target(n, t)
     c.record_draft(1, 0.001)  # a head's step
     for _ in range(20):
         c.record_acceptance("a", 2, 2)

@@ -198,26 +198,28 @@ def test_step_cost_table():
     assert flat.predict(1000) == pytest.approx(0.01)  # one token count: flat around it; the lesser of two
     assert cost.predict(20) == pytest.approx(0.002 + 0.0005 * 20)  # interpolated between 8 and 32
     assert cost.predict(0) == pytest.approx(0.0025)  # below the smallest: its cost
-    cost.add(20, 0.005)  # a new sample replaces the remembered predictions around it
-    assert cost.predict(20) == pytest.approx(0.005) and cost.predict(26) == pytest.approx(0.0115)
+    cost.add(20, 0.009)  # a new sample replaces the remembered predictions around it
+    assert cost.predict(20) == pytest.approx(0.009) and cost.predict(26) < 0.002 + 0.0005 * 26
 
 
 def test_one_slow_sample_does_not_price_a_count_out_of_the_plan():
     """The controller measures only the counts it plans. A count priced by one slow sample (calibration on
-    a busy machine) above the larger counts would never be planned nor measured again: it is read as no
-    dearer than a larger count, and a count's time is the least of its first two samples, then the median."""
+    a busy machine) would never be planned nor measured again: the table is read through its greatest convex
+    minorant (a step's time is flat, then rises by each row's compute), and a count's time is the least of
+    its first two samples, then their median."""
     cost = StepCost()
     for n, ms in ((1, 30), (2, 32), (3, 34), (4, 80), (5, 38), (6, 40)):
         cost.add(n, ms / 1000)
-    assert cost.predict(4) == pytest.approx(0.038)  # the 80 ms outlier: no dearer than 5 rows
-    assert [cost.predict(n) for n in (1, 2, 3)] == pytest.approx([0.030, 0.032, 0.034])
-    cost.add(5, 0.090)  # a second, slow sample of 5 rows: the lesser of the two still stands
-    assert cost.predict(5) == pytest.approx(0.038)
-    cost.add(5, 0.070)  # three samples: their median
-    assert cost.predict(5) == pytest.approx(0.040) and cost.predict(4) == pytest.approx(0.040)
+    assert cost.predict(4) == pytest.approx(0.036)  # the 80 ms outlier, read on the curve
+    assert [cost.predict(n) for n in (1, 2, 3, 5, 6)] == pytest.approx([0.030, 0.032, 0.034, 0.038, 0.040])
+    cost.add(6, 0.090)  # a second, slow sample of 6 rows: the lesser of the two stands
+    assert cost.predict(6) == pytest.approx(0.040)
+    cost.add(6, 0.070)  # three samples: their median, a real corner the curve keeps
+    assert cost.predict(6) == pytest.approx(0.070) and cost.predict(5) == pytest.approx(0.038)
     for _ in range(3):
-        cost.add(4, 0.036)  # the count planned and measured again: its own samples' median
-    assert cost.predict(4) == pytest.approx(0.036)
+        cost.add(5, 0.045)  # a count planned and measured again: its median moves the curve
+    assert cost.predict(5) == pytest.approx(0.045) and cost.predict(4) == pytest.approx(0.0395)
+    assert cost.predict(3) == pytest.approx(0.034)
 
 
 def test_acceptance_per_position():

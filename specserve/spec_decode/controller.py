@@ -47,22 +47,26 @@ class StepCost:
     """Measured step time by token count: a small table of the recent samples per exact count, interpolated
     between measured counts and extrapolated linearly past the largest ones.
 
-    A count's time is the median of its recent samples, or their least while it has fewer than three. A count
-    is never priced above a larger count's time (the table is read through its running minimum from the
-    largest count down). Both err toward the cheaper reading, on purpose: the controller only measures the
-    counts it plans, so a count priced too high by one slow sample (a noisy neighbour, a page fault during
-    start-up calibration) would never be planned, hence never measured again, while one priced too low is
-    planned and its next samples correct it.
+    A count's time is the median of its recent samples (``CONFIRMED`` or more), else the least of them, read
+    no higher than the table's greatest convex minorant (the highest convex, non-decreasing curve that no
+    count's time lies below: a step's time is flat while the weights' bytes bound it, then rises by each row's
+    compute). No count is read above a larger one. Until its samples confirm it, then, a count is read on the
+    cheap side, on purpose: the controller only measures the counts it plans, so a count priced too high by
+    one slow sample (a noisy neighbour, a page fault during start-up calibration) would never be planned,
+    hence never measured again, while one priced too low is planned and its next samples correct it. A real
+    step in the costs (a second pass of the CPU kernels' row tiles over the weights) is confirmed and kept.
 
     NOTE: a straight-line fit over all steps is dominated by prefill-sized counts and mispredicts the
     small decode/verify counts the controller compares; a table measures exactly those.
     """
 
+    CONFIRMED = 3  # samples after which a count's time is its median, whatever its neighbours'
+
     def __init__(self, per_count: int = 16) -> None:
         self.per_count = per_count
         self._samples: dict[int, deque[float]] = {}
-        self._stat: dict[int, float] = {}  # per count: median (least below 3 samples) of its samples
-        self._time: dict[int, float] = {}  # per count: the time predicted (``_stat`` through the running minimum)
+        self._stat: dict[int, float] = {}  # per count: the median of its samples (their least if unconfirmed)
+        self._time: dict[int, float] = {}  # per count: the time predicted
         self._keys: list[int] = []  # sorted measured counts
         # Predictions since the last sample: a step's decision asks for the same few counts thousands of times.
         self._memo: dict[float, float] = {}
@@ -74,11 +78,11 @@ class StepCost:
             q = self._samples[tokens] = deque(maxlen=self.per_count)
             bisect.insort(self._keys, tokens)
         q.append(seconds)
-        self._stat[tokens] = min(q) if len(q) < 3 else statistics.median(q)
-        # the running minimum from the largest count down: no count above a larger one
+        self._stat[tokens] = min(q) if len(q) < self.CONFIRMED else statistics.median(q)
+        hull = convex_minorant(self._keys, self._stat)
         low = math.inf
         for n in reversed(self._keys):
-            low = min(low, self._stat[n])
+            low = min(low, self._stat[n] if len(self._samples[n]) >= self.CONFIRMED else hull[n])
             self._time[n] = low
 
     def __len__(self) -> int:
@@ -113,6 +117,31 @@ class StepCost:
         x0, x1 = keys[i - 1], keys[i]
         y0, y1 = self._time[x0], self._time[x1]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+
+def convex_minorant(keys: list[int], values: dict[int, float]) -> dict[int, float]:
+    """The greatest convex, non-decreasing function under ``values`` (at the sorted ``keys``), at those keys."""
+    low, mono = math.inf, {}
+    for n in reversed(keys):  # non-decreasing: no count above a larger one
+        low = mono[n] = min(low, values[n])
+    hull: list[int] = []  # the lower hull's vertices, by count
+    for n in keys:
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (mono[b] - mono[a]) * (n - a) < (mono[n] - mono[a]) * (b - a):
+                break  # b lies below the chord from a to n: it stays a vertex
+            hull.pop()
+        hull.append(n)
+    out, v = {}, 0
+    for n in keys:
+        while hull[v] < n:
+            v += 1
+        if hull[v] == n:
+            out[n] = mono[n]
+        else:
+            a, b = hull[v - 1], hull[v]
+            out[n] = mono[a] + (mono[b] - mono[a]) * (n - a) / (b - a)
+    return out
 
 
 def catch_up_slope(samples: Sequence[tuple[int, float]]) -> float:
