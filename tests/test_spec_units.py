@@ -195,7 +195,7 @@ def test_step_cost_table():
     flat = StepCost()
     flat.add(5, 0.01)
     flat.add(5, 0.03)
-    assert flat.predict(1000) == pytest.approx(0.01)  # one token count: flat around it; the lesser of two
+    assert flat.predict(1000) == pytest.approx(0.02)  # one token count: flat around it
     assert cost.predict(20) == pytest.approx(0.002 + 0.0005 * 20)  # interpolated between 8 and 32
     assert cost.predict(0) == pytest.approx(0.0025)  # below the smallest: its cost
     cost.add(20, 0.009)  # a new sample replaces the remembered predictions around it
@@ -205,15 +205,15 @@ def test_step_cost_table():
 def test_one_slow_sample_does_not_price_a_count_out_of_the_plan():
     """The controller measures only the counts it plans. A count priced by one slow sample (calibration on
     a busy machine) would never be planned nor measured again: the table is read through its greatest convex
-    minorant (a step's time is flat, then rises by each row's compute), and a count's time is the least of
-    its first two samples, then their median."""
+    minorant (a step's time is flat, then rises by each row's compute) until three samples confirm it; a
+    count's time is the median of its samples."""
     cost = StepCost()
     for n, ms in ((1, 30), (2, 32), (3, 34), (4, 80), (5, 38), (6, 40)):
         cost.add(n, ms / 1000)
     assert cost.predict(4) == pytest.approx(0.036)  # the 80 ms outlier, read on the curve
     assert [cost.predict(n) for n in (1, 2, 3, 5, 6)] == pytest.approx([0.030, 0.032, 0.034, 0.038, 0.040])
-    cost.add(6, 0.090)  # a second, slow sample of 6 rows: the lesser of the two stands
-    assert cost.predict(6) == pytest.approx(0.040)
+    cost.add(6, 0.090)  # a second, slow sample of the largest count: no larger count bounds it
+    assert cost.predict(6) == pytest.approx(0.065)
     cost.add(6, 0.070)  # three samples: their median, a real corner the curve keeps
     assert cost.predict(6) == pytest.approx(0.070) and cost.predict(5) == pytest.approx(0.038)
     for _ in range(3):

@@ -47,10 +47,10 @@ class StepCost:
     """Measured step time by token count: a small table of the recent samples per exact count, interpolated
     between measured counts and extrapolated linearly past the largest ones.
 
-    A count's time is the median of its recent samples (``CONFIRMED`` or more), else the least of them, read
-    no higher than the table's greatest convex minorant (the highest convex, non-decreasing curve that no
-    count's time lies below: a step's time is flat while the weights' bytes bound it, then rises by each row's
-    compute). No count is read above a larger one. Until its samples confirm it, then, a count is read on the
+    A count's time is the median of its recent samples; until it has ``CONFIRMED`` of them, read no higher
+    than the table's greatest convex minorant (the highest convex, non-decreasing curve that no count's time
+    lies below: a step's time is flat while the weights' bytes bound it, then rises by each row's compute).
+    No count is read above a larger one. Until its samples confirm it, then, a count is read on the
     cheap side, on purpose: the controller only measures the counts it plans, so a count priced too high by
     one slow sample (a noisy neighbour, a page fault during start-up calibration) would never be planned,
     hence never measured again, while one priced too low is planned and its next samples correct it. A real
@@ -65,7 +65,7 @@ class StepCost:
     def __init__(self, per_count: int = 16) -> None:
         self.per_count = per_count
         self._samples: dict[int, deque[float]] = {}
-        self._stat: dict[int, float] = {}  # per count: the median of its samples (their least if unconfirmed)
+        self._stat: dict[int, float] = {}  # per count: the median of its samples
         self._time: dict[int, float] = {}  # per count: the time predicted
         self._keys: list[int] = []  # sorted measured counts
         # Predictions since the last sample: a step's decision asks for the same few counts thousands of times.
@@ -78,7 +78,7 @@ class StepCost:
             q = self._samples[tokens] = deque(maxlen=self.per_count)
             bisect.insort(self._keys, tokens)
         q.append(seconds)
-        self._stat[tokens] = min(q) if len(q) < self.CONFIRMED else statistics.median(q)
+        self._stat[tokens] = statistics.median(q)
         hull = convex_minorant(self._keys, self._stat)
         low = math.inf
         for n in reversed(self._keys):

@@ -112,7 +112,7 @@ def calibrate(target: Step, draft: Step | None, *, max_k: int, max_seqs: int, nu
         plan[max_k + 1:max_k + 1] = [("draft", b) for b in draft_batches(max_seqs)] + \
             [("catch_up", n) for n in CATCH_UP if n <= max_model_len]
     # Every step is timed twice, as the budget allows: one slow sample (another process, a page fault) would
-    # otherwise price its count for good; the cost table takes the lesser of two (``StepCost``). The second
+    # otherwise price its count for good (``StepCost`` reads an unconfirmed count on its cheap side). The second
     # samples of a single request's decode and verifications come before the batches' first ones.
     again = [p for p in plan if p[0] != "catch_up"]
     plan[:0] = plan[:max_k + 1]
