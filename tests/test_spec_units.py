@@ -222,6 +222,19 @@ def test_one_slow_sample_does_not_price_a_count_out_of_the_plan():
     assert cost.predict(3) == pytest.approx(0.034)
 
 
+def test_the_cost_table_keeps_the_counts_sampled_last():
+    """A server sees a new token total at almost every prefill; the table keeps ``MAX_COUNTS`` counts, the
+    count sampled longest ago making room, so a busy server's decode and verification counts stay."""
+    cost = StepCost()
+    for i in range(3 * StepCost.MAX_COUNTS):
+        cost.add(1000 + i, 1.0 + i / 1000)  # prefills of ever new lengths
+        cost.add(1 + i % 6, 0.030 + 0.002 * (i % 6))  # one request's decode and verifications
+    assert cost.distinct() == StepCost.MAX_COUNTS
+    assert [cost.predict(n) for n in range(1, 7)] == pytest.approx([0.030 + 0.002 * j for j in range(6)])
+    assert cost.predict(1000 + 3 * StepCost.MAX_COUNTS - 1) == pytest.approx(1.0 + (3 * StepCost.MAX_COUNTS - 1) / 1000)
+    assert cost.predict(1000) != pytest.approx(1.0)  # evicted: read between the counts still kept
+
+
 def test_acceptance_per_position():
     c = SpecController(max_k=4, prior_alpha=0.6, prior_weight=2.0)
     assert c.rates("r") == [0.6] * 4

@@ -61,6 +61,9 @@ class StepCost:
     """
 
     CONFIRMED = 3  # samples after which a count's time is its median, whatever its neighbours'
+    # Counts kept: each sample re-reads the table (O(counts)), and a server sees a new total at almost every
+    # prefill; the count sampled longest ago makes room.
+    MAX_COUNTS = 256
 
     def __init__(self, per_count: int = 16) -> None:
         self.per_count = per_count
@@ -68,6 +71,8 @@ class StepCost:
         self._stat: dict[int, float] = {}  # per count: the median of its samples
         self._time: dict[int, float] = {}  # per count: the time predicted
         self._keys: list[int] = []  # sorted measured counts
+        self._seen: dict[int, int] = {}  # per count: the number of the sample that last measured it
+        self._added = 0
         # Predictions since the last sample: a step's decision asks for the same few counts thousands of times.
         self._memo: dict[float, float] = {}
 
@@ -75,9 +80,16 @@ class StepCost:
         self._memo.clear()
         q = self._samples.get(tokens)
         if q is None:
+            if len(self._keys) >= self.MAX_COUNTS:
+                stale = min(self._keys, key=self._seen.__getitem__)
+                self._keys.remove(stale)
+                for table in (self._samples, self._stat, self._time, self._seen):
+                    table.pop(stale, None)
             q = self._samples[tokens] = deque(maxlen=self.per_count)
             bisect.insort(self._keys, tokens)
         q.append(seconds)
+        self._added += 1
+        self._seen[tokens] = self._added
         self._stat[tokens] = statistics.median(q)
         hull = convex_minorant(self._keys, self._stat)
         low = math.inf
