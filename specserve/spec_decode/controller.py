@@ -61,41 +61,43 @@ class StepCost:
     """
 
     CONFIRMED = 3  # samples after which a count's time is its median, whatever its neighbours'
-    # Counts kept: each sample re-reads the table (O(counts)), and a server sees a new total at almost every
-    # prefill; the count sampled longest ago makes room.
+    # Counts kept: reading the table is O(counts), and a server sees a new total at almost every prefill; the
+    # count sampled longest ago makes room.
     MAX_COUNTS = 256
 
     def __init__(self, per_count: int = 16) -> None:
         self.per_count = per_count
-        self._samples: dict[int, deque[float]] = {}
+        self._samples: dict[int, deque[float]] = {}  # per count, the count sampled longest ago first
         self._stat: dict[int, float] = {}  # per count: the median of its samples
-        self._time: dict[int, float] = {}  # per count: the time predicted
+        self._time: dict[int, float] | None = None  # per count: the time predicted (None: read it again)
         self._keys: list[int] = []  # sorted measured counts
-        self._seen: dict[int, int] = {}  # per count: the number of the sample that last measured it
-        self._added = 0
         # Predictions since the last sample: a step's decision asks for the same few counts thousands of times.
         self._memo: dict[float, float] = {}
 
     def add(self, tokens: int, seconds: float) -> None:
         self._memo.clear()
-        q = self._samples.get(tokens)
+        self._time = None
+        q = self._samples.pop(tokens, None)  # re-inserted last: the dict's order is the order last sampled
         if q is None:
             if len(self._keys) >= self.MAX_COUNTS:
-                stale = min(self._keys, key=self._seen.__getitem__)
+                stale = next(iter(self._samples))
+                del self._samples[stale], self._stat[stale]
                 self._keys.remove(stale)
-                for table in (self._samples, self._stat, self._time, self._seen):
-                    table.pop(stale, None)
-            q = self._samples[tokens] = deque(maxlen=self.per_count)
+            q = deque(maxlen=self.per_count)
             bisect.insort(self._keys, tokens)
+        self._samples[tokens] = q
         q.append(seconds)
-        self._added += 1
-        self._seen[tokens] = self._added
         self._stat[tokens] = statistics.median(q)
-        hull = convex_minorant(self._keys, self._stat)
-        low = math.inf
-        for n in reversed(self._keys):
-            low = min(low, self._stat[n] if len(self._samples[n]) >= self.CONFIRMED else hull[n])
-            self._time[n] = low
+
+    def _times(self) -> dict[int, float]:
+        """Each count's predicted time, read once per sample (a step's many predictions share it)."""
+        if self._time is None:
+            hull = convex_minorant(self._keys, self._stat)
+            low, self._time = math.inf, {}
+            for n in reversed(self._keys):
+                low = min(low, self._stat[n] if len(self._samples[n]) >= self.CONFIRMED else hull[n])
+                self._time[n] = low
+        return self._time
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._samples.values())
@@ -115,19 +117,20 @@ class StepCost:
         return out
 
     def _interpolate(self, keys: list[int], tokens: float) -> float:
+        time = self._times()
         i = bisect.bisect_left(keys, tokens)
         if i < len(keys) and keys[i] == tokens:
-            return self._time[keys[i]]
+            return time[keys[i]]
         if i == 0:  # below every measurement: the smallest measured count (costs only grow with tokens)
-            return self._time[keys[0]]
+            return time[keys[0]]
         if i == len(keys):  # above: extend the slope of the two largest measurements (never negative)
             if len(keys) == 1:
-                return self._time[keys[0]]
+                return time[keys[0]]
             x0, x1 = keys[-2], keys[-1]
-            y0, y1 = self._time[x0], self._time[x1]
+            y0, y1 = time[x0], time[x1]
             return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (tokens - x1)
         x0, x1 = keys[i - 1], keys[i]
-        y0, y1 = self._time[x0], self._time[x1]
+        y0, y1 = time[x0], time[x1]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
