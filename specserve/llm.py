@@ -116,8 +116,9 @@ class LLM:
             return
         propose = drafter.propose
 
-        def observed(cands: list[ProposeRequest], draining: bool = False, hold: bool = False) -> dict[str, Draft]:
-            out = propose(cands, draining, hold)
+        def observed(cands: list[ProposeRequest], draining: bool = False, hold: bool = False,
+                     others: int = 0) -> dict[str, Draft]:
+            out = propose(cands, draining, hold, others)
             sink([(c.spec.source, out[c.req_id]) for c in cands if c.req_id in out])
             return out
 

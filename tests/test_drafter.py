@@ -127,6 +127,34 @@ def test_a_prefill_ahead_holds_draft_model_steps(tmp_path, method):
     assert engine.runner.arrivals_pending() is True
 
 
+def test_rows_without_drafts_count_in_the_step_the_plan_prices(tmp_path):
+    """A request that has just had its first token drafts nothing in the next step, but its row is in that step:
+    the controller is told of it (one more row, yielding a token), and a draft model that has not read a
+    candidate's prompt reads it a chunk at a time, as in any batch, instead of whole before everyone's step."""
+    from specserve.spec_decode.draft_model import CATCH_UP_CHUNK
+
+    path = save_tiny_checkpoint(tmp_path)
+    llm = LLM(path, speculative_model=path, num_speculative_tokens=2, speculative_adaptive=False, dtype="float32",
+              num_blocks=64)
+    engine, drafter = llm.engine, llm.engine.runner.drafter
+    plans, reads = [], []
+    choose, step = drafter.controller.choose_ks, drafter.proposer.step
+    drafter.controller.choose_ks = lambda ids, **k: plans.append((list(ids), k.get("other_tokens"),
+                                                                  k.get("other_decodes"))) or choose(ids, **k)
+    drafter.proposer.step = lambda toks, *rest: reads.append([len(t) for t in toks]) or step(toks, *rest)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7, 8] * 20, params)
+    engine.step()  # a's prefill and first token: its draft reads nothing yet
+    assert plans == [] and reads == []
+    engine.add_request("b", [9, 10, 11], params)
+    engine.step()  # a decodes, b's prefill: b's first token, a drafts
+    assert plans == [(["a"], 1, 1)]
+    assert reads[0] == [CATCH_UP_CHUNK]  # a's 80-token prompt: one chunk in a batch of two
+    while engine.has_unfinished():
+        engine.step()
+    assert all(n <= CATCH_UP_CHUNK for r in reads for n in r)
+
+
 def test_a_request_that_samples_a_stop_token_gets_no_drafts_for_a_step_it_will_not_run(tmp_path):
     """The step whose tokens include a stop token (EOS, stop_token_ids) ends the request: the draft model is
     not asked for drafts that would be thrown away; until then it drafts every step; the output is unchanged."""

@@ -335,7 +335,7 @@ class ChaosController(SpecController):
 
     def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[str] | None = None,
                   remaining: list[int] | None = None, backlog: list[int] | None = None,
-                  hold: bool = False) -> list[int]:
+                  hold: bool = False, other_decodes: int = 0) -> list[int]:
         ks = [self.rng.randint(0, self.max_k) for _ in req_ids]
         self.seen.add(len(set(ks)))
         self.draining.add(remaining is not None)

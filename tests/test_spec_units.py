@@ -392,6 +392,22 @@ def test_choose_k_depends_on_batch_through_measured_cost():
     assert max(c.choose_ks(reqs), default=0) == 0
 
 
+def test_decode_rows_of_other_requests_are_tokens_the_plan_weighs():
+    """A draft model's steps run in series before the whole step, so they stall every row in it. One request
+    drafting next to three decode rows that draft nothing: counted as rows that yield tokens, those rows make a
+    3-draft chain (30 ms of draft steps) cost more than it gains; counted as prefill rows (no tokens) or left
+    out, it looks as good as alone."""
+    c = SpecController(max_k=4)
+    for n in (1, 2, 4, 8, 16, 32):
+        c.record_target(n, 0.040 + 0.006 * n)
+    c.record_draft(1, 0.010)
+    for _ in range(8):
+        c.record_acceptance("a", 4, 3)
+    assert c.choose_ks(["a"]) == [3]
+    assert c.choose_ks(["a"], 3) == [3]
+    assert c.choose_ks(["a"], 3, other_decodes=3) == [0]
+
+
 def test_choose_k_measures_the_other_extreme_first():
     """With one token count measured the slope is unknown: alternate between max_k and 0 to measure it."""
     c = SpecController(max_k=3)

@@ -344,8 +344,8 @@ def test_grammar_drafts_cut_forbidden_model_drafts(paths, compiler):
     seen: list[tuple[list[int], bool]] = []
     original = drafter.propose
 
-    def spy(cands, draining=False, hold=False):
-        out = original(cands, draining, hold)
+    def spy(cands, draining=False, hold=False, others=0):
+        out = original(cands, draining, hold, others)
         for c in cands:
             d = out.get(c.req_id)
             if d is not None and c.state.grammar is not None:

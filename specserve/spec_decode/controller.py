@@ -240,6 +240,7 @@ class SpecController:
         # Greedy chains: acceptance by the draft's confidence in its token, per source (``chain_stop``).
         self._confidence: dict[Source, ConfidenceBins] = {}
         self._chain_stop: ChainStop | None = None  # this step's, from ``choose_ks`` (None: chains run to k)
+        self._produced = 0  # this step's decode rows outside the planned requests (``choose_ks``' other_decodes)
         self._made = 0.0  # decayed tokens made and seconds spent by the recent steps (``record_step``)
         self._spent = 0.0
         self._catch_up = 0.0  # seconds per token a draft spends catching up on a backlog (0: unmeasured)
@@ -328,7 +329,7 @@ class SpecController:
         b = len(req_ids)
         rate = self._made / self._spent if self._spent > 0 else 0.0
         if rate <= 0.0:  # no step measured yet: the plan's prediction
-            tokens = float(b) + sum(sum(self.gains(r, s)[:k]) for r, s, k in zip(req_ids, sources, ks) if k)
+            tokens = float(b + self._produced) + sum(sum(self.gains(r, s)[:k]) for r, s, k in zip(req_ids, sources, ks) if k)
             k_max = max((k for k, f in zip(ks, free) if not f), default=0)
             extra = self._catch_up * sum(lag for lag, k, f in zip(backlog, ks, free) if k and not f)
             rate = self._rate(b, other, sum(ks), tokens, k_max, drafting, extra)
@@ -395,9 +396,10 @@ class SpecController:
     # -- decision -------------------------------------------------------------------------------------------
     def choose_ks(self, req_ids: list[str], other_tokens: int = 0, sources: list[Source] | None = None,
                   remaining: list[int] | None = None, backlog: Sequence[float] | None = None,
-                  hold: bool = False) -> list[int]:
-        """k per request for the next step of these decoding requests; ``other_tokens`` are prefill tokens
-        sharing the step; ``sources[i]`` is where request i's drafts come from this step (default: one);
+                  hold: bool = False, other_decodes: int = 0) -> list[int]:
+        """k per request for the next step of these decoding requests; ``other_tokens`` are rows of other
+        requests sharing the step, ``other_decodes`` of them decode rows that yield a token each (the rest:
+        prefill); ``sources[i]`` is where request i's drafts come from this step (default: one);
         ``remaining[i]``: tokens request i has left in a draining batch (None: a server's open batch), and
         ``backlog[i]`` the tokens its draft must catch up on before drafting (``record_catch_up``): a request
         whose model drafts first read a long backlog pays that in either plan.
@@ -406,6 +408,7 @@ class SpecController:
         series before its first token, so only sources that cost no draft step (``FREE_SOURCES``) may draft,
         planned as usual; no probe or first measurement is spent on such a step."""
         self._chain_stop = None
+        self._produced = min(other_decodes, other_tokens)
         if not req_ids:
             return []
         srcs = sources if sources is not None else [Source.METHOD] * len(req_ids)
@@ -564,16 +567,18 @@ class SpecController:
                 best, best_rate = ks, rate
         return best
 
-    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int, produced: int = 0,
+    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int, produced: int | None = None,
                      catch_up: list[float] | None = None) -> list[int]:
         """Drafts per request from the prefix of ``pairs`` (worth in expected tokens, request index; by falling
         worth) that maximises predicted tokens/s; ``free[i]``: request i's drafts cost no draft step; ``other``
-        rows share the step, ``produced`` of them yield a token (decode rows; prefill rows yield none);
+        rows share the step, ``produced`` of them yield a token (decode rows; prefill rows yield none; None:
+        ``choose_ks``' ``other_decodes``);
         ``catch_up[i]``: seconds request i's draft first spends on its backlog once it drafts at all.
 
         The catch-up price keeps a draft that has been idle for a request (prompt lookup drafted it, or nothing
         paid) from being picked for one draft worth half a token when it would first read a long backlog."""
         b = len(free)
+        produced = self._produced if produced is None else produced
         ks = [0] * b
         best_n, best_rate = 0, self._rate(b, other, 0, float(b + produced), 0, 0) * (1.0 + self.min_gain)
         tokens, k_max, drafting, extra = float(b + produced), 0, 0, 0.0

@@ -257,10 +257,13 @@ class Drafter:
                 self.controller.record_confidence(source, confs, num_accepted)
         return source
 
-    def propose(self, cands: list[ProposeRequest], draining: bool = False, hold: bool = False) -> dict[str, Draft]:
+    def propose(self, cands: list[ProposeRequest], draining: bool = False, hold: bool = False,
+                others: int = 0) -> dict[str, Draft]:
         """Drafts for the next step. ``cands``: the speculating requests after this step, each with ``room`` the
         most drafts it has room for; the controller sets each one's ``k`` within that (0: no drafts), pricing
-        the features an EAGLE head must catch up on before it drafts (``backlog``).
+        the features an EAGLE head must catch up on before it drafts (``backlog``). ``others``: the step's rows
+        of requests that are not candidates (one each: a request whose first token was just sampled, one that
+        does not speculate), priced with the step and counted as the batch a draft model's catch-up shares.
         ``draining``: an offline batch that only drains; the controller then plans for the batch's end
         (``SpecController.choose_ks``' ``remaining``: ``room`` + 1 tokens each). ``hold``: the next step carries a
         new prompt's prefill, so only drafts that cost no draft step (prompt lookup, grammar) are made.
@@ -278,7 +281,8 @@ class Drafter:
         remaining = [c.room + 1 for c in cands] if draining else None
         backlog = [proposer_backlog(proposer, c, controller.max_k) for c in cands]
         # (a proposer that writes no KV runs no model: its drafts delay nobody's first token)
-        ks = controller.choose_ks([c.req_id for c in cands], sources=sources, remaining=remaining, backlog=backlog,
+        ks = controller.choose_ks([c.req_id for c in cands], other_tokens=others, other_decodes=others,
+                                  sources=sources, remaining=remaining, backlog=backlog,
                                   hold=hold and proposer.writes_kv)
         out: dict[str, Draft] = {}
         reqs, req_sources = [], []
@@ -303,7 +307,7 @@ class Drafter:
             return out
         # the step's rows outside the model's drafts: requests not drafting, and grammar drafts (tree sizes
         # are priced against the whole step, not as if the trees were alone in it)
-        other_rows = len(cands) - len(reqs) + sum(len(d.token_ids) for d in out.values())
+        other_rows = others + len(cands) - len(reqs) + sum(len(d.token_ids) for d in out.values())
         t0, captures = time.perf_counter(), self.num_captures()
         self.timer.start()
         drafts = proposer.propose(reqs, other_rows)

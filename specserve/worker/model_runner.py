@@ -483,20 +483,24 @@ class ModelRunner:
         the drafter holds its draft-model steps: they would delay that request's first token (TTFT)."""
         assert self.drafter is not None
         cands = []
+        others = 0  # the next step's rows of requests that go on without drafts (a first token just sampled)
         defer = self.drafter.defers_first_draft
         for r, em in zip(rows, emitted):
             c = self.requests[r.req_id]
             room = min(c.max_tokens - len(c.state.output_token_ids) - 1, self.max_model_len - len(c.token_ids))
             # NOTE: a draft model's catch-up on the prompt waits for the next step: it is not in the TTFT. A row
             # that sampled a stop token ends here (the engine stops at it): drafts for it would be thrown away.
-            if c.spec_enabled and not (defer and len(c.state.output_token_ids) == len(em)) \
-                    and c.stop_ids.isdisjoint(em):
+            if not c.stop_ids.isdisjoint(em):
+                continue
+            if c.spec_enabled and not (defer and len(c.state.output_token_ids) == len(em)):
                 valid = r.num_computed_tokens + r.num_tokens - r.num_spec_tokens + len(em) - 1
                 slots = min(room, len(r.block_ids) * self.block_size - len(c.token_ids))
                 cands.append(ProposeRequest(r.req_id, c.token_ids, valid, 0, r.block_ids, c.state, slots=slots,
                                             room=room, spec=self.drafter.state(r.req_id)))
+            else:
+                others += 1
         hold = not so.draining and (so.prefill_ahead or (self.arrivals_pending is not None and self.arrivals_pending()))
-        drafts = self.drafter.propose(cands, so.draining, hold) if cands else {}
+        drafts = self.drafter.propose(cands, so.draining, hold, others) if cands else {}
         for req_id, d in drafts.items():
             self.requests[req_id].draft_probs = d.probs
         return ({req_id: d.token_ids for req_id, d in drafts.items()},
