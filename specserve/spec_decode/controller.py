@@ -329,7 +329,8 @@ class SpecController:
         b = len(req_ids)
         rate = self._made / self._spent if self._spent > 0 else 0.0
         if rate <= 0.0:  # no step measured yet: the plan's prediction
-            tokens = float(b + self._produced) + sum(sum(self.gains(r, s)[:k]) for r, s, k in zip(req_ids, sources, ks) if k)
+            tokens = float(b + self._produced)
+            tokens += sum(sum(self.gains(r, s)[:k]) for r, s, k in zip(req_ids, sources, ks) if k)
             k_max = max((k for k, f in zip(ks, free) if not f), default=0)
             extra = self._catch_up * sum(lag for lag, k, f in zip(backlog, ks, free) if k and not f)
             rate = self._rate(b, other, sum(ks), tokens, k_max, drafting, extra)
@@ -567,8 +568,8 @@ class SpecController:
                 best, best_rate = ks, rate
         return best
 
-    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int, produced: int | None = None,
-                     catch_up: list[float] | None = None) -> list[int]:
+    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int,
+                     produced: int | None = None, catch_up: list[float] | None = None) -> list[int]:
         """Drafts per request from the prefix of ``pairs`` (worth in expected tokens, request index; by falling
         worth) that maximises predicted tokens/s; ``free[i]``: request i's drafts cost no draft step; ``other``
         rows share the step, ``produced`` of them yield a token (decode rows; prefill rows yield none; None:
