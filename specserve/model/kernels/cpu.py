@@ -1,5 +1,5 @@
 """The C++ CPU kernels (``cpu_kernels.cpp``: weight-only quantized matmuls, paged attention), registered as
-``torch.ops.specserve_cpu.*``. Built with torch's extension builder on first use on a machine (~20 s on two
+``torch.ops.specserve_cpu.*``. Built with torch's extension builder on first use on a machine (~50 s on two
 cores; torch caches the build in its extensions directory, ``TORCH_EXTENSIONS_DIR``) and loaded once per
 process. Whether they may run at all is ``platform.Platform.quant_kernels`` / ``attention_backend``."""
 
@@ -36,7 +36,7 @@ def _build() -> bool:
         from torch.utils.cpp_extension import load
 
         src = os.path.join(os.path.dirname(__file__), "cpu_kernels.cpp")
-        log.info("CPU kernels: loading (compiled on first use on this machine, ~20 s)")
+        log.info("CPU kernels: loading (compiled on first use on this machine, ~50 s)")
         # -ffp-contract=off: scalar a * b + c is never fused into an FMA behind our back, so code shared by
         # the row-count instantiations of a kernel rounds the same in each (row invariance); FMAs are explicit.
         cflags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
