@@ -240,7 +240,6 @@ class SpecController:
         # Greedy chains: acceptance by the draft's confidence in its token, per source (``chain_stop``).
         self._confidence: dict[Source, ConfidenceBins] = {}
         self._chain_stop: ChainStop | None = None  # this step's, from ``choose_ks`` (None: chains run to k)
-        self._produced = 0  # this step's decode rows outside the planned requests (``choose_ks``' other_decodes)
         self._made = 0.0  # decayed tokens made and seconds spent by the recent steps (``record_step``)
         self._spent = 0.0
         self._catch_up = 0.0  # seconds per token a draft spends catching up on a backlog (0: unmeasured)
@@ -319,7 +318,7 @@ class SpecController:
         a function's boilerplate and stops at a name it has to guess."""
         return self._chain_stop
 
-    def _set_chain_stop(self, req_ids: list[str], sources: list[Source], other: int, ks: list[int],
+    def _set_chain_stop(self, req_ids: list[str], sources: list[Source], other: int, produced: int, ks: list[int],
                         backlog: Sequence[float], source: Source) -> None:
         free = [s in FREE_SOURCES for s in sources]
         drafting = sum(1 for k, f in zip(ks, free) if k and not f)
@@ -329,7 +328,7 @@ class SpecController:
         b = len(req_ids)
         rate = self._made / self._spent if self._spent > 0 else 0.0
         if rate <= 0.0:  # no step measured yet: the plan's prediction
-            tokens = float(b + self._produced)
+            tokens = float(b + produced)
             tokens += sum(sum(self.gains(r, s)[:k]) for r, s, k in zip(req_ids, sources, ks) if k)
             k_max = max((k for k, f in zip(ks, free) if not f), default=0)
             extra = self._catch_up * sum(lag for lag, k, f in zip(backlog, ks, free) if k and not f)
@@ -409,14 +408,14 @@ class SpecController:
         series before its first token, so only sources that cost no draft step (``FREE_SOURCES``) may draft,
         planned as usual; no probe or first measurement is spent on such a step."""
         self._chain_stop = None
-        self._produced = min(other_decodes, other_tokens)
+        produced = min(other_decodes, other_tokens)
         if not req_ids:
             return []
         srcs = sources if sources is not None else [Source.METHOD] * len(req_ids)
         if hold and self.adaptive and any(s not in FREE_SOURCES for s in srcs):
             ks = [0] * len(req_ids)
             if any(s in FREE_SOURCES for s in srcs) and self.target_cost.distinct() >= 2:
-                ks = self._best(req_ids, srcs, other_tokens, [0.0] * len(req_ids), free_only=True)
+                ks = self._best(req_ids, srcs, other_tokens, produced, [0.0] * len(req_ids), free_only=True)
             self.last_k = max(ks)
             return ks
         if not self.adaptive:
@@ -435,7 +434,7 @@ class SpecController:
         else:
             planned = remaining is None or len(req_ids) == 1
             if remaining is None or planned:
-                ks = self._best(req_ids, srcs, other_tokens, lag)
+                ks = self._best(req_ids, srcs, other_tokens, produced, lag)
             else:
                 ks = self._drain_plan(req_ids, srcs, other_tokens, remaining, lag)
             unseen = [i for i, s in enumerate(srcs) if s not in self._global]
@@ -444,17 +443,18 @@ class SpecController:
                 # cost can keep from ever drafting: its first drafts go to the request with the least to
                 # catch up on, max_k of them, so every position gets measured; unless no plan could pay even
                 # with every draft accepted (then the measurement waits for a batch where one could).
-                if self._could_pay(srcs, other_tokens, lag):
+                if self._could_pay(srcs, other_tokens, produced, lag):
                     ks[min(unseen, key=lambda i: lag[i])] = self.max_k
             else:
-                self._explore(ks, srcs, other_tokens, lag)
+                self._explore(ks, srcs, other_tokens, produced, lag)
             if planned:
                 model = [s for s in srcs if s not in FREE_SOURCES]
-                self._set_chain_stop(req_ids, srcs, other_tokens, ks, lag, model[0] if model else Source.METHOD)
+                self._set_chain_stop(req_ids, srcs, other_tokens, produced, ks, lag,
+                                     model[0] if model else Source.METHOD)
         self.last_k = max(ks)
         return ks
 
-    def _explore(self, ks: list[int], sources: list[Source], other: int, lag: Sequence[float]) -> None:
+    def _explore(self, ks: list[int], sources: list[Source], other: int, produced: int, lag: Sequence[float]) -> None:
         """Every ``explore_every`` steps while drafting, each drafting request's k is nudged up or down by one
         (one not drafting stays at 0: starting it may mean a catch-up on its whole backlog, which is the
         plan's call, or a probe's); while the plan is "no drafts", a probe (``_probe``) at gaps that double
@@ -467,13 +467,13 @@ class SpecController:
             return
         self._since_explore = 0
         if off:
-            self._probe(ks, sources, other, lag)
+            self._probe(ks, sources, other, produced, lag)
             return
         self._explore_gap = self.explore_every
         step = 1 if self._step % 2 else -1
         ks[:] = [min(self.max_k, max(0, k + step)) if k else 0 for k in ks]
 
-    def _probe(self, ks: list[int], sources: list[Source], other: int, lag: Sequence[float]) -> None:
+    def _probe(self, ks: list[int], sources: list[Source], other: int, produced: int, lag: Sequence[float]) -> None:
         """While the plan is "no drafts": one request drafts one token, which measures acceptance and T(B + 1)
         as well as all of them would. A draft model or head first catches up on every token since the request
         last drafted (a new request's whole prompt), so the probe goes to the request with the least to catch
@@ -484,7 +484,7 @@ class SpecController:
 
         NOTE: exploring away from k = 0 costs real time when drafts keep failing, so the gap doubles each time
         the model still says "off" (and resets once speculation pays again)."""
-        if not self._could_pay(sources, other, lag):
+        if not self._could_pay(sources, other, produced, lag):
             return  # nothing to learn that could change the plan here: the next gap asks again
         least = min(lag)
         cheapest = [i for i, n in enumerate(lag) if n == least]
@@ -499,7 +499,7 @@ class SpecController:
         self._explore_gap = min(self._explore_gap * 2, 64 * self.explore_every)
         ks[i] = min(self.max_k, 1)
 
-    def _could_pay(self, sources: list[Source], other: int, backlog: Sequence[float]) -> bool:
+    def _could_pay(self, sources: list[Source], other: int, produced: int, backlog: Sequence[float]) -> bool:
         """Whether some plan would beat no drafts if every draft were accepted: the upper bound of what drafting
         can give at this batch's measured costs, the catch-up on each request's backlog included. Where even
         that loses (a draft model at a large batch of short requests, each with a prompt to read), a first
@@ -511,16 +511,17 @@ class SpecController:
         order = sorted(range(len(sources)), key=lambda i: catch_up[i])
         by_request = [(1.0, i) for i in order for _ in range(self.max_k)]
         by_position = [(1.0, i) for _ in range(self.max_k) for i in order]
-        return any(any(self._best_prefix(pairs, free, other, catch_up=catch_up)) for pairs in (by_request, by_position))
+        return any(any(self._best_prefix(pairs, free, other, produced, catch_up))
+                   for pairs in (by_request, by_position))
 
-    def _best(self, req_ids: list[str], sources: list[Source], other: int, backlog: Sequence[float],
+    def _best(self, req_ids: list[str], sources: list[Source], other: int, produced: int, backlog: Sequence[float],
               free_only: bool = False) -> list[int]:
         """The prefix of (request, position) pairs by falling gain that maximises predicted tokens/s (``free_only``:
         of the requests whose drafts cost no draft step)."""
         pairs = sorted(((m, i) for i, (r, s) in enumerate(zip(req_ids, sources))
                         if not free_only or s in FREE_SOURCES for m in self.gains(r, s)), key=lambda x: -x[0])
         free = [s in FREE_SOURCES for s in sources]
-        return self._best_prefix(pairs, free, other,
+        return self._best_prefix(pairs, free, other, produced,
                                  catch_up=[0.0 if f else self._catch_up * n for f, n in zip(free, backlog)])
 
     def _drain_plan(self, req_ids: list[str], sources: list[Source], other: int, remaining: list[int],
@@ -568,18 +569,16 @@ class SpecController:
                 best, best_rate = ks, rate
         return best
 
-    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int,
-                     produced: int | None = None, catch_up: list[float] | None = None) -> list[int]:
+    def _best_prefix(self, pairs: list[tuple[float, int]], free: list[bool], other: int, produced: int,
+                     catch_up: list[float] | None = None) -> list[int]:
         """Drafts per request from the prefix of ``pairs`` (worth in expected tokens, request index; by falling
         worth) that maximises predicted tokens/s; ``free[i]``: request i's drafts cost no draft step; ``other``
-        rows share the step, ``produced`` of them yield a token (decode rows; prefill rows yield none; None:
-        ``choose_ks``' ``other_decodes``);
+        rows share the step, ``produced`` of them yield a token (decode rows; prefill rows yield none);
         ``catch_up[i]``: seconds request i's draft first spends on its backlog once it drafts at all.
 
         The catch-up price keeps a draft that has been idle for a request (prompt lookup drafted it, or nothing
         paid) from being picked for one draft worth half a token when it would first read a long backlog."""
         b = len(free)
-        produced = self._produced if produced is None else produced
         ks = [0] * b
         best_n, best_rate = 0, self._rate(b, other, 0, float(b + produced), 0, 0) * (1.0 + self.min_gain)
         tokens, k_max, drafting, extra = float(b + produced), 0, 0, 0.0
@@ -612,7 +611,7 @@ class SpecController:
         c = self.tree_calibration
         items = sorted(((c * p, i) for i, ps in enumerate(probs) for p in ps), key=lambda x: -x[0])
         # the other rows are decode rows: each yields its token in every plan
-        return self._best_prefix(items, [True] * len(probs), other_tokens, produced=other_tokens)
+        return self._best_prefix(items, [True] * len(probs), other_tokens, other_tokens)
 
     def best_rate(self, gains: list[float], free: bool, backlog: float = 0.0) -> float | None:
         """Predicted tokens/s of one request drafting from a source whose draft j adds ``gains[j - 1]``
