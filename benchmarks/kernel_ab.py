@@ -32,6 +32,8 @@ def build_other(path: str) -> None:
     """Builds ``path`` (a cpu_kernels.cpp) with its ops registered as ``torch.ops.specserve_cpu_ab.*``."""
     from torch.utils.cpp_extension import load
 
+    from specserve.model.kernels.cpu import CFLAGS
+
     src = open(path).read()
     for old in ("TORCH_LIBRARY(specserve_cpu,", "TORCH_LIBRARY_IMPL(specserve_cpu,"):
         if old not in src:
@@ -40,8 +42,7 @@ def build_other(path: str) -> None:
     out = os.path.join(tempfile.mkdtemp(prefix="kernel_ab_"), "cpu_kernels_ab.cpp")
     with open(out, "w") as f:
         f.write(src)
-    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # as kernels/cpu.py builds
-    load(name="specserve_cpu_kernels_ab", sources=[out], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    load(name="specserve_cpu_kernels_ab", sources=[out], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
 
 

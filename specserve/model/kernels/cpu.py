@@ -18,6 +18,9 @@ log = logging.getLogger("specserve")
 
 _loaded: bool | None = None
 NAME = "specserve_cpu_kernels"
+# -ffp-contract=off: scalar a * b + c is never fused into an FMA behind our back, so code shared by the
+# row-count instantiations of a kernel rounds the same in each (row invariance); FMAs are explicit.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
 
 def load_cpu_kernels() -> bool:
@@ -37,11 +40,8 @@ def _build() -> bool:
 
         src = os.path.join(os.path.dirname(__file__), "cpu_kernels.cpp")
         log.info("CPU kernels: loading (compiled on first use on this machine, ~50 s)")
-        # -ffp-contract=off: scalar a * b + c is never fused into an FMA behind our back, so code shared by
-        # the row-count instantiations of a kernel rounds the same in each (row invariance); FMAs are explicit.
-        cflags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
         with _stale_lock_watch(_build_dir()):
-            load(name=NAME, sources=[src], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+            load(name=NAME, sources=[src], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                  is_python_module=False, verbose=False)
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: run without them
